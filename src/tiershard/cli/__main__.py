@@ -1,0 +1,5 @@
+import sys
+
+from tiershard.cli import main
+
+sys.exit(main())

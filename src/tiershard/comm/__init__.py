@@ -1,0 +1,1 @@
+"""Collectives on tier groups, codecs and the byte ledger."""

@@ -1,0 +1,1 @@
+"""The sharding runtime: flat storage, units, hooks and the gradient path."""
