@@ -1,0 +1,111 @@
+"""Closed-form traffic of a plan: the collectives one optimizer step runs, and their bytes on each tier.
+
+This is the schedule the levels imply (DESIGN.md section 1), written once as data, so that the engine's ledger
+(``comm_stats``) can be checked against it and the cost model can price it. It does not drive the engine: the
+runtime follows the same rules by itself, and the tests compare the two.
+
+Per flat group of ``S`` padded elements (one per unit and per requires_grad), with ``d(L)`` the group size of
+level ``L`` and top = world:
+
+    every forward call   p > N: all-gather over level p of S x param bytes
+    every backward       p > N: the same again (a unit that runs backward, trainable or not)
+                         with hpz, only the first gather after the weights change uses level p; the rest
+                         gather over the finest hpz level
+    every micro-step     g > N: reduce-scatter over level g of S x reduce bytes   (trainable groups)
+    at the boundary      g < os: reduce-scatter over (g -> os) of S/d(g), then all-reduce over (os -> top)
+                         g = os: all-reduce over (g -> top) of S/d(g)
+                         g > os: all-reduce over (g -> top) of S/d(g), then all-gather over (os -> g)
+    after the step       p < os: all-gather over (p -> os) of S/d(p) x param bytes
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence, TYPE_CHECKING
+
+from .comm.volume import add_into, rank_bytes
+
+if TYPE_CHECKING:
+    from .plan import Placement
+    from .topology import Topology
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective: ``op`` names its purpose (the ledger's key), ``inner -> outer`` its group."""
+
+    op: str
+    kind: str
+    inner: int
+    outer: int
+    nbytes: int
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class FlatGroupShape:
+    """What the traffic of one flat group depends on."""
+
+    numel: int          # padded
+    trainable: bool
+    forward_calls: int = 1
+    backward: bool = True   # the unit runs backward (needs its weights gathered again)
+
+
+def group_collectives(pl: "Placement", shape: FlatGroupShape, param_bytes: int, reduce_bytes: int,
+                      micro_steps: int = 1) -> list[Collective]:
+    """The collectives of one flat group over one optimizer step of ``micro_steps`` micro-steps."""
+    top = pl.topology.num_levels - 1
+    S, d = shape.numel, pl.size
+    out: list[Collective] = []
+    if pl.p > 0:
+        fwd = shape.forward_calls * micro_steps
+        bwd = micro_steps if shape.backward else 0
+        full = S * param_bytes
+        if pl.hpz:
+            cached = min(pl.hpz)
+            out.append(Collective("param_gather", "all_gather", 0, pl.p, full, 1))
+            out.append(Collective("param_gather", "all_gather", 0, cached, full, fwd - 1))
+            out.append(Collective("param_gather_backward", "all_gather", 0, cached, full, bwd))
+        else:
+            out.append(Collective("param_gather", "all_gather", 0, pl.p, full, fwd))
+            out.append(Collective("param_gather_backward", "all_gather", 0, pl.p, full, bwd))
+    if not shape.trainable:
+        return out
+    if pl.g > 0:
+        out.append(Collective("grad_reduce", "reduce_scatter", 0, pl.g, S * reduce_bytes, micro_steps))
+    shard_g = S // d(pl.g) * reduce_bytes
+    if pl.g < pl.os:
+        out.append(Collective("grad_sync", "reduce_scatter", pl.g, pl.os, shard_g))
+        out.append(Collective("grad_sync", "all_reduce", pl.os, top, S // d(pl.os) * reduce_bytes))
+    else:
+        out.append(Collective("grad_sync", "all_reduce", pl.g, top, shard_g))
+        if pl.g > pl.os:
+            out.append(Collective("grad_sync", "all_gather", pl.os, pl.g, S // d(pl.os) * reduce_bytes))
+    if pl.p < pl.os:
+        out.append(Collective("param_sync", "all_gather", pl.p, pl.os, S // d(pl.p) * param_bytes))
+    return [c for c in out if c.count > 0 and pl.size(c.outer) > pl.size(c.inner)]
+
+
+def step_collectives(pl: "Placement", shapes: Iterable[FlatGroupShape], param_bytes: int = 4,
+                     reduce_bytes: int = 4, micro_steps: int = 1) -> list[Collective]:
+    return [c for s in shapes for c in group_collectives(pl, s, param_bytes, reduce_bytes, micro_steps)]
+
+
+def rank_traffic(collectives: Sequence[Collective], topology: "Topology", rank: int) -> dict:
+    """Bytes ``rank`` sends, as ``comm_stats`` reports them: {"tiers": {...}, "ops": {...}}."""
+    tiers: dict[str, int] = {}
+    ops: dict[str, int] = {}
+    for c in collectives:
+        ranks = topology.cross_ranks(rank, c.inner, c.outer)
+        part = rank_bytes(c.kind, ranks, c.nbytes, rank, topology)
+        add_into(tiers, part, c.count)
+        ops[c.op] = ops.get(c.op, 0) + sum(part.values()) * c.count
+    return {"tiers": tiers, "ops": ops}
+
+
+def total_traffic(collectives: Sequence[Collective], topology: "Topology") -> dict[str, int]:
+    """Bytes on each tier summed over all ranks (divide ``world`` by the node count for ZeRO++'s unit)."""
+    total: dict[str, int] = {}
+    for rank in range(topology.world_size):
+        add_into(total, rank_traffic(collectives, topology, rank)["tiers"])
+    return total
