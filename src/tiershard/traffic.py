@@ -109,3 +109,23 @@ def total_traffic(collectives: Sequence[Collective], topology: "Topology") -> di
     for rank in range(topology.world_size):
         add_into(total, rank_traffic(collectives, topology, rank)["tiers"])
     return total
+
+
+def module_shapes(model, wrap=None, world_size: int = 1) -> list[FlatGroupShape]:
+    """The flat groups ``ts.shard(model, ..., wrap=wrap)`` would build on ``world_size`` ranks (no process group).
+
+    A unit is assumed to run backward when it has trainable parameters.
+    """
+    from .runtime.flat import padded_numel
+    from .runtime.wrap import find_units
+
+    shapes = []
+    for unit in find_units(model, wrap):
+        sizes = {True: 0, False: 0}
+        for param, _, _ in unit.params:
+            sizes[param.requires_grad] += param.numel()
+        for trainable in (True, False):
+            if sizes[trainable]:
+                shapes.append(FlatGroupShape(padded_numel(sizes[trainable], world_size), trainable,
+                                             backward=sizes[True] > 0))
+    return shapes

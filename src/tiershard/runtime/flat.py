@@ -1,0 +1,216 @@
+"""One flat group: the parameters of a unit that share ``requires_grad``, as padded flat buffers per state.
+
+States and where they live (levels of the placement, see [Note: ownership map] in topology.py):
+
+    p_shard   param_dtype  level p    between uses; the forward's gather source
+    full      param_dtype  all        gathered for compute; storage freed when p is sharded and not in use
+    hpz       param_dtype  hpz levels cached shards of the last gathered weights, tagged with their version
+    grad_acc  fp32         level g    gradient accumulated between optimizer steps (trainable groups only)
+    master    fp32         level os   the nn.Parameter the optimizer sees; its ``_version`` is the weights' version
+
+[Note: no stale copies] Every derived copy (p_shard, full, hpz) records the ``master._version`` it was made from.
+Any in-place write to a master (``optimizer.step()``, a write under ``torch.no_grad()``, ``load_full_state_dict``)
+bumps that counter, and the next use rebuilds the copies first.
+
+[Note: gathering without bumping versions] Autograd saves views of ``full`` for backward. The gathers write
+through ``full_alias``, a tensor on the same storage with its own version counter, so refilling freed storage
+before backward does not trip autograd's in-place check.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+
+from ..comm import collectives as C
+
+if TYPE_CHECKING:
+    from ..plan import Placement
+
+
+@dataclass
+class ParamSlot:
+    """One original parameter: where it sits in the flat buffer and every (module, name) that uses it."""
+
+    uses: list[tuple[nn.Module, str]]
+    names: list[str]
+    shape: torch.Size
+    offset: int
+    numel: int
+
+
+def padded_numel(numel: int, world: int) -> int:
+    return -(-numel // world) * world
+
+
+class FlatGroup:
+    """Storage and level-to-level moves for one group of parameters; no hooks, no schedule."""
+
+    def __init__(self, slots: list[ParamSlot], values: torch.Tensor, placement: "Placement", trainable: bool,
+                 param_dtype: torch.dtype, reduce_dtype: torch.dtype):
+        topo = placement.topology
+        self.slots, self.pl, self.topo, self.rank = slots, placement, topo, topo.rank
+        self.trainable = trainable
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.numel = values.numel()
+        self.S = padded_numel(self.numel, topo.world_size)
+        flat = torch.zeros(self.S, dtype=torch.float32)
+        flat[: self.numel] = values
+        self.master = nn.Parameter(self._chunk(flat, placement.os).clone(), requires_grad=trainable)
+        self.p_shard = self._chunk(flat, placement.p).to(param_dtype).clone()
+        if placement.p == 0:
+            self.full = self.p_shard.requires_grad_(trainable)
+        else:
+            self.full = torch.empty(self.S, dtype=param_dtype, requires_grad=trainable)
+        self.full_alias = torch.empty(0, dtype=param_dtype).set_(self.full.untyped_storage(), 0, (self.S,))
+        self.grad_acc = torch.zeros(self.S // self.size(placement.g)) if trainable else None
+        self.hpz: dict[int, tuple[int, torch.Tensor]] = {}
+        self.synced_version = self.master._version
+        self.gathered = placement.p == 0
+        self.gathered_version = self.synced_version
+        if placement.p > 0:
+            self.release()
+
+    # ---- layout -------------------------------------------------------------------------------
+    def size(self, level: int) -> int:
+        return self.topo.level_size(level)
+
+    def chunk_range(self, level: int) -> tuple[int, int]:
+        length = self.S // self.size(level)
+        start = self.topo.chunk_index(self.rank, level) * length
+        return start, start + length
+
+    def _chunk(self, flat: torch.Tensor, level: int) -> torch.Tensor:
+        start, end = self.chunk_range(level)
+        return flat[start:end]
+
+    def group(self, inner: int, outer: int):
+        return self.topo.group_for(self.rank, inner, outer)
+
+    # ---- parameters: master -> p_shard -> full ------------------------------------------------
+    @property
+    def stale(self) -> bool:
+        return self.master._version != self.synced_version
+
+    @torch.no_grad()
+    def sync_params(self) -> None:
+        """Bring the updated master (level os) back to the parameter level p; drop cached copies."""
+        pl = self.pl
+        src = self.master.detach().to(self.param_dtype)
+        if pl.p < pl.os:
+            C.all_gather(self.p_shard, src, self.group(pl.p, pl.os), self.topo, "param_sync")
+        else:
+            start, end = self.chunk_range(pl.p)
+            base, _ = self.chunk_range(pl.os)
+            self.p_shard.copy_(src[start - base:end - base])
+        self.hpz.clear()
+        self.synced_version = self.master._version
+
+    @torch.no_grad()
+    def gather(self, op: str) -> None:
+        """Fill ``full`` from the finest valid copy: an hpz shard of the current weights, else p_shard."""
+        if self.stale:
+            self.sync_params()
+        if self.gathered and self.gathered_version == self.synced_version:
+            return
+        pl = self.pl
+        if pl.p > 0:
+            if not self.gathered:
+                self.full.untyped_storage().resize_(self.S * self.full.element_size())
+            level, source = pl.p, self.p_shard
+            for h in pl.hpz:   # sorted innermost first: the smallest group wins
+                cached = self.hpz.get(h)
+                if cached is not None and cached[0] == self.synced_version:
+                    level, source = h, cached[1]
+                    break
+            C.all_gather(self.full_alias, source, self.group(0, level), self.topo, op)
+        self.gathered = True
+        self.gathered_version = self.synced_version
+
+    @torch.no_grad()
+    def release(self) -> None:
+        """Free ``full`` when p is sharded, leaving the hpz shards of these exact weights behind."""
+        if self.pl.p == 0:
+            return
+        if self.gathered:
+            for h in self.pl.hpz:
+                if self.hpz.get(h, (None,))[0] != self.gathered_version:
+                    self.hpz[h] = (self.gathered_version, self._chunk(self.full_alias, h).clone())
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def views(self) -> list[torch.Tensor]:
+        """One tensor per original parameter, on ``full``; autograd carries their gradients into ``full.grad``."""
+        return [self.full[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
+
+    # ---- gradients: full.grad -> grad_acc (level g) -> master.grad (level os) -----------------
+    @torch.no_grad()
+    def reduce_micro_step(self, grad: torch.Tensor | None) -> None:
+        """Reduce this micro-step's full gradient to level g and accumulate it (pre-divided: the DDP mean)."""
+        pl = self.pl
+        if grad is None:
+            grad = torch.zeros(self.S, dtype=self.reduce_dtype)
+        local = grad.to(self.reduce_dtype) / self.topo.world_size
+        if pl.g == 0:
+            self.grad_acc += local
+            return
+        out = torch.empty(self.S // self.size(pl.g), dtype=self.reduce_dtype)
+        C.reduce_scatter(out, local, self.group(0, pl.g), self.topo, "grad_reduce")
+        self.grad_acc += out
+
+    @torch.no_grad()
+    def sync_grads(self) -> None:
+        """At the accumulation boundary: finish the reduction over the world, at level os, into master.grad."""
+        pl, top = self.pl, self.topo.num_levels - 1
+        buf = self.grad_acc.to(self.reduce_dtype)
+        if pl.g < pl.os:
+            out = torch.empty(self.S // self.size(pl.os), dtype=self.reduce_dtype)
+            C.reduce_scatter(out, buf, self.group(pl.g, pl.os), self.topo, "grad_sync")
+            C.all_reduce(out, self.group(pl.os, top), self.topo, "grad_sync")
+        else:
+            C.all_reduce(buf, self.group(pl.g, top), self.topo, "grad_sync")
+            out = buf
+            if pl.g > pl.os:
+                out = torch.empty(self.S // self.size(pl.os), dtype=self.reduce_dtype)
+                C.all_gather(out, buf, self.group(pl.os, pl.g), self.topo, "grad_sync")
+        out = out.to(torch.float32)
+        if out.data_ptr() == self.grad_acc.data_ptr():
+            out = out.clone()
+        if self.master.grad is None:
+            self.master.grad = out
+        else:
+            self.master.grad += out
+        self.grad_acc.zero_()
+
+    # ---- whole-state helpers ------------------------------------------------------------------
+    @torch.no_grad()
+    def full_master(self) -> torch.Tensor:
+        """The unpadded fp32 master values of the whole group, on every rank."""
+        out = torch.empty(self.S, dtype=torch.float32)
+        C.all_gather(out, self.master.detach(), self.group(0, self.pl.os), self.topo, "state_dict")
+        return out[: self.numel]
+
+    @torch.no_grad()
+    def load_full(self, values: torch.Tensor) -> None:
+        """Write new full fp32 values: every rank has them, so each cuts its own shards without communication."""
+        flat = torch.zeros(self.S, dtype=torch.float32)
+        flat[: self.numel] = values
+        self.master.copy_(self._chunk(flat, self.pl.os))
+        self.p_shard.copy_(self._chunk(flat, self.pl.p))
+        self.hpz.clear()
+        self.synced_version = self.master._version
+        if self.pl.p > 0 and self.gathered:
+            self.release()
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of each persistent model state this rank holds for the group."""
+        def nbytes(t):
+            return 0 if t is None else t.numel() * t.element_size()
+        return {
+            "params": nbytes(self.p_shard),
+            "grads": nbytes(self.grad_acc),
+            "masters": nbytes(self.master),
+            "hpz": sum(nbytes(t) for _, t in self.hpz.values()),
+        }

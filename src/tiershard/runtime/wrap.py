@@ -1,0 +1,87 @@
+"""Cutting a model into units: which modules are units, and which unit owns each parameter."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Union
+
+import torch.nn as nn
+
+WrapPolicy = Union[None, Iterable[type], Callable[[nn.Module], bool]]
+
+
+@dataclass
+class UnitSpec:
+    """A unit's module, its path, and the parameters it owns (with every use of each)."""
+
+    path: str
+    module: nn.Module
+    params: list[tuple[nn.Parameter, list[tuple[nn.Module, str]], list[str]]] = field(default_factory=list)
+
+
+def _matcher(wrap: WrapPolicy) -> Callable[[nn.Module], bool]:
+    if wrap is None:
+        return lambda m: False
+    if callable(wrap) and not isinstance(wrap, type):
+        return wrap
+    classes = tuple(wrap) if not isinstance(wrap, type) else (wrap,)
+    if not all(isinstance(c, type) for c in classes):
+        raise TypeError(f"wrap must be module classes or a predicate, got {wrap!r}")
+    return lambda m: isinstance(m, classes)
+
+
+def find_units(model: nn.Module, wrap: WrapPolicy) -> list[UnitSpec]:
+    """Every module matching ``wrap`` is a unit, the root takes the rest; order is ``named_modules`` order.
+
+    A parameter used by several modules (tied weights) belongs to the innermost unit that contains all its uses,
+    so that unit is gathered whenever any use runs.
+    """
+    match = _matcher(wrap)
+    units = [UnitSpec("", model)]
+    for path, module in model.named_modules():
+        if path and match(module):
+            units.append(UnitSpec(path, module))
+    unit_paths = [u.path for u in units]
+
+    def owner(path: str) -> int:
+        best = 0
+        for i, upath in enumerate(unit_paths):
+            if upath == "" or path == upath or path.startswith(upath + "."):
+                if len(upath) >= len(unit_paths[best]):
+                    best = i
+        return best
+
+    uses: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]], list[str], list[str]]] = {}
+    for mpath, module in model.named_modules(remove_duplicate=False):
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            full = f"{mpath}.{name}" if mpath else name
+            entry = uses.setdefault(id(param), (param, [], [], []))
+            entry[1].append((module, name))
+            entry[2].append(full)
+            entry[3].append(mpath)
+    for param, mods, names, mpaths in uses.values():
+        owners = {owner(p) for p in mpaths}
+        if len(owners) == 1:
+            index = owners.pop()
+        else:
+            common = _common_prefix([unit_paths[i] for i in owners])
+            index = owner(common) if common else 0
+        # keep (module, name) pairs unique: a module reached by two paths holds the attribute once
+        seen, pairs = set(), []
+        for m, n in mods:
+            if (id(m), n) not in seen:
+                seen.add((id(m), n))
+                pairs.append((m, n))
+        units[index].params.append((param, pairs, names))
+    return units
+
+
+def _common_prefix(paths: list[str]) -> str:
+    parts = [p.split(".") if p else [] for p in paths]
+    out = []
+    for tokens in zip(*parts):
+        if len(set(tokens)) != 1:
+            break
+        out.append(tokens[0])
+    return ".".join(out)

@@ -1,0 +1,62 @@
+"""A small transformer with tied embeddings, odd sizes and a buffer: what the engine tests train."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, checkpoint: bool = False):
+        super().__init__()
+        self.heads, self.checkpoint = heads, checkpoint
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d + 1), nn.Linear(4 * d + 1, d)
+
+    def _attn(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(D, dim=2)
+        q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, D))
+
+    def _body(self, x):
+        x = x + self._attn(x)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+    def forward(self, x):
+        if self.checkpoint:
+            return torch.utils.checkpoint.checkpoint(self._body, x, use_reentrant=False)
+        return self._body(x)
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 37, d: int = 12, layers: int = 2, heads: int = 2, seq: int = 8,
+                 checkpoint: bool = False):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Parameter(torch.randn(seq, d) * 0.02)
+        self.blocks = nn.ModuleList(Block(d, heads, checkpoint) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight          # tied, as in GPT-2
+        self.register_buffer("scale", torch.tensor(1.0))
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x)) * self.scale
+
+
+def batches(seed: int, steps: int, micro: int, world: int, per_rank: int = 2, seq: int = 8, vocab: int = 37):
+    """Token batches [step][micro] of shape (world * per_rank, seq + 1); rank r takes rows r*per_rank.."""
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randint(0, vocab, (world * per_rank, seq + 1), generator=g) for _ in range(micro)]
+            for _ in range(steps)]
+
+
+def loss_fn(model, tokens, micro: int):
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)) / micro

@@ -1,0 +1,148 @@
+"""Every PaRO placement against single-process training, plus its traffic and memory against the formulas.
+
+One launch of the ranks per topology runs all 27 plans (and a few tier-named and bf16 ones), so the suite
+stays fast. Oracles:
+- SGD with momentum (linear in the gradient, so a wrong averaging factor shows): every tensor within 1e-5
+  relative (max abs difference over max abs value) of single-process training on the concatenated batch.
+- AdamW: relative L2 error over all parameters within 1e-3. Adam turns round-off in exactly-zero gradients
+  (the key bias of attention has one) into lr-sized steps, so a per-tensor bound would test round-off.
+- ``comm_stats`` over one optimizer step equals ``traffic.rank_traffic`` of the plan, exactly, on every tier
+  and every op; model-state bytes equal the placement's formula.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _dist import run_ranks
+from _models import Block, TinyGPT, batches, loss_fn
+
+STEPS, MICRO, PER_RANK = 3, 2, 2
+
+
+def make_opt(params, name):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def reference(world, opt_name):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = make_opt(model.parameters(), opt_name)
+    for step in batches(1, STEPS, MICRO, world, PER_RANK):
+        for tokens in step:
+            loss_fn(model, tokens, MICRO).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def train_sharded(rank, world, plan, topo, opt_name, param_dtype=None, measure=False):
+    import tiershard as ts
+    from tiershard import traffic
+
+    torch.manual_seed(0)
+    model = ts.shard(TinyGPT(), plan, topo, wrap={Block}, param_dtype=param_dtype)
+    opt = make_opt(model.parameters(), opt_name)
+    losses, stats, predicted = [], None, None
+    for s, step in enumerate(batches(1, STEPS, MICRO, world, PER_RANK)):
+        if measure and s == STEPS - 1:
+            ts.reset_comm_stats()
+        total = 0.0
+        for i, tokens in enumerate(step):
+            local = tokens[rank * PER_RANK:(rank + 1) * PER_RANK]
+            if i < MICRO - 1:
+                with ts.no_sync(model):
+                    loss = loss_fn(model, local, MICRO)
+                    loss.backward()
+            else:
+                loss = loss_fn(model, local, MICRO)
+                loss.backward()
+            total += loss.item()
+        losses.append(total)
+        opt.step()
+        opt.zero_grad()
+    result = {"losses": losses}
+    if measure:
+        stats = ts.comm_stats()
+        engine = model._tiershard
+        shapes = [traffic.FlatGroupShape(g.S, g.trainable) for g in engine.groups()]
+        esize = torch.empty(0, dtype=param_dtype or torch.float32).element_size()
+        colls = traffic.step_collectives(engine.placement, shapes, esize, esize, MICRO)
+        predicted = traffic.rank_traffic(colls, topo, rank)
+        result["stats"] = {"tiers": stats["tiers"], "ops": {k: v for k, v in stats["ops"].items() if v}}
+        result["predicted"] = {"tiers": predicted["tiers"], "ops": {k: v for k, v in predicted["ops"].items() if v}}
+        mem = ts.memory_stats(model, opt)
+        pl = engine.placement
+        formula = {"params": 0, "grads": 0, "masters": 0, "optimizer": 0}
+        for g in engine.groups():
+            formula["params"] += g.S // pl.size(pl.p) * esize
+            formula["grads"] += g.S // pl.size(pl.g) * 4
+            formula["masters"] += g.S // pl.size(pl.os) * 4
+            formula["optimizer"] += g.S // pl.size(pl.os) * 4 * (2 if opt_name == "adamw" else 1)
+        result["memory"] = ({k: mem[k] for k in formula}, formula)
+    result["state"] = ts.full_state_dict(model)
+    return result
+
+
+def sweep(rank, world, sizes, codes, bf16_codes):
+    import tiershard as ts
+
+    topo = ts.Topology(sizes)
+    refs = {name: reference(world, name) for name in ("sgd", "adamw")}
+    out = {}
+    for code in codes:
+        for opt_name in ("sgd", "adamw"):
+            res = train_sharded(rank, world, code, topo, opt_name, measure=opt_name == "adamw")
+            ref, state = refs[opt_name], res.pop("state")
+            assert state.keys() == ref.keys(), (code, sorted(state.keys() ^ ref.keys()))
+            per_tensor = max(((state[k] - ref[k]).abs().max() / ref[k].abs().max()).item() for k in ref)
+            num = sum(((state[k] - ref[k]) ** 2).sum() for k in ref) ** 0.5
+            den = sum((ref[k] ** 2).sum() for k in ref) ** 0.5
+            res["per_tensor"], res["rel_l2"] = per_tensor, (num / den).item()
+            out[(code, opt_name)] = res
+    for code in bf16_codes:
+        res = train_sharded(rank, world, code, topo, "adamw", param_dtype=torch.bfloat16)
+        res.pop("state")
+        out[(code, "bf16")] = res
+    return out
+
+
+def check(results, codes, bf16_codes):
+    failures = []
+    for rank, res in enumerate(results):
+        for code in codes:
+            sgd, adam = res[(code, "sgd")], res[(code, "adamw")]
+            if sgd["per_tensor"] > 1e-5:
+                failures.append(f"{code} SGD rank {rank}: {sgd['per_tensor']:.2e}")
+            if adam["rel_l2"] > 1e-3:
+                failures.append(f"{code} AdamW rank {rank}: {adam['rel_l2']:.2e}")
+            if adam["stats"] != adam["predicted"]:
+                failures.append(f"{code} rank {rank}: comm_stats {adam['stats']} != formula {adam['predicted']}")
+            measured, formula = adam["memory"]
+            if measured != formula:
+                failures.append(f"{code} rank {rank}: memory {measured} != formula {formula}")
+        for code in bf16_codes:
+            fp32, bf16 = res[(code, "adamw")]["losses"], res[(code, "bf16")]["losses"]
+            if any(abs(a - b) > 0.02 * abs(a) for a, b in zip(fp32, bf16)):
+                failures.append(f"{code} bf16 losses {bf16} vs fp32 {fp32}")
+    assert not failures, "\n".join(failures[:20])
+
+
+ALL = [a + b + c for a in "NIG" for b in "NIG" for c in "NIG"]
+
+
+def test_all_plans_on_2_nodes_of_2():
+    bf16 = ["GGG", "IIG", "NNN"]
+    check(run_ranks(sweep, 4, (2, 4), ALL, bf16), ALL, bf16)
+
+
+def test_all_plans_on_4_nodes_of_2():
+    check(run_ranks(sweep, 8, (2, 8), ALL, []), ALL, [])
+
+
+def test_all_plans_on_pairs_nodes_world():
+    codes = ALL + ["p=pair,g=pair,os=world", "p=pair,g=node,os=world", "p=N,g=pair,os=node",
+                   "p=world,g=pair,os=N"]
+    check(run_ranks(sweep, 8, (2, 4, 8), codes, []), codes, [])
