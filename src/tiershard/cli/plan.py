@@ -1,0 +1,237 @@
+"""``tiershard plan``: rank every plan for a model on a cluster by predicted step time, and say why losers lose.
+
+The cluster, model and job come from, in increasing priority: the dgx-a100 preset (for numbers nobody gave),
+``--config FILE`` ([model], [cluster], [job] tables), ``--cluster-file FILE`` (e.g. from ``tiershard probe``),
+``--cluster PRESET`` or ``--tiers``, then the single-number flags.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields, replace
+from pathlib import Path
+
+from .. import clusters
+from ..cost import Cluster, Estimate, Job, ModelSpec, NoPlanFits, rank_plans
+from ..plan import PlanError
+from ..topology import TopologyError
+from . import CliError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+JOB_KEYS = {f.name for f in fields(Job)}
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="rank plans by predicted step time for a model on a cluster",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("model")
+    m.add_argument("--model", help=f"a name ({', '.join(clusters_models())}) or a parameter count like 1.3e9 (default 7b)")
+    m.add_argument("--trainable", type=float, metavar="FRACTION", help="fraction of parameters trained (default 1)")
+    m.add_argument("--layers", type=int)
+    m.add_argument("--hidden", type=int)
+    m.add_argument("--vocab", type=int)
+    c = p.add_argument_group("cluster")
+    c.add_argument("--cluster", metavar="PRESET", help=f"one of {', '.join(clusters.PRESETS)}")
+    c.add_argument("--cluster-file", metavar="FILE", help="TOML with a [cluster] table, e.g. from tiershard probe")
+    c.add_argument("--config", metavar="FILE", help="TOML with [model], [cluster] and [job] tables")
+    c.add_argument("--tiers", help="name:size:bandwidth[:latency],... innermost first, e.g. "
+                                   "pair:2:200GB/s,node:8:50GB/s,world:384:100GB/s/node")
+    c.add_argument("--gpus", type=int, help="devices in all")
+    c.add_argument("--gpus-per-node", type=int)
+    c.add_argument("--intra-bw", help="per device inside a node, e.g. 300GB/s")
+    c.add_argument("--inter-bw", help="per device between nodes, e.g. 25GB/s, or 100Gbps/node for a node's total")
+    c.add_argument("--intra-lat", help="latency of one step inside a node, e.g. 3us")
+    c.add_argument("--inter-lat", help="latency of one step between nodes, e.g. 10us")
+    c.add_argument("--gpu-mem", help="memory per device, e.g. 80GB")
+    c.add_argument("--peak-tflops", type=float, help="peak half-precision TFLOPS per device")
+    j = p.add_argument_group("job")
+    j.add_argument("--micro-batch", type=int)
+    j.add_argument("--seq", type=int)
+    j.add_argument("--accum", type=int, help="micro-steps per optimizer step")
+    j.add_argument("--efficiency", type=float, help="achieved fraction of peak flops (default 0.5)")
+    j.add_argument("--overlap", type=float, help="fraction of compute that hides micro-step comm (default 0.8)")
+    j.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
+                   help="activation checkpointing (default on)")
+    j.add_argument("--reduce-bytes", type=int, help="bytes per gradient element in reduction (2 bf16, 4 fp32)")
+    o = p.add_argument_group("output")
+    o.add_argument("--plans", help="comma-separated plans to compare instead of all, e.g. zero3,zero++,IIG")
+    o.add_argument("--top", type=int, help="rows to show (default 10; 0 = all; --json shows all)")
+    o.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def clusters_models() -> list[str]:
+    from ..cost import MODELS
+    return list(MODELS)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        model, cluster, job = build(args)
+        candidates = [s.strip() for s in args.plans.split(",") if s.strip()] if args.plans else None
+        ranked = rank_plans(model, cluster, job, candidates)
+    except (ValueError, PlanError, TopologyError) as err:
+        raise CliError(str(err)) from None
+    if not ranked or not ranked[0].fits:
+        smallest = min(ranked, key=lambda e: e.memory.total)
+        raise CliError(NoPlanFits(
+            f"{model.label} does not fit in {cluster.gpu_memory / 1e9:.1f} GB per device on {cluster.world_size} "
+            f"devices under any plan; the smallest, {smallest.plan}, needs {smallest.memory.total / 1e9:.1f} GB: "
+            "add devices, lower --micro-batch or --seq, or use --recompute"))
+    top = args.top if args.top is not None else (0 if args.json else 10)
+    shown = ranked[:top] if top > 0 else ranked
+    if args.json:
+        json.dump(as_json(model, cluster, job, ranked, shown), sys.stdout, indent=1)
+        print()
+    else:
+        print(render(model, cluster, job, ranked, shown))
+    return 0
+
+
+# ---- inputs -------------------------------------------------------------------------------------
+def _load(path: str) -> dict:
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except OSError as err:
+        raise CliError(f"cannot read {path}: {err.strerror}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise CliError(f"{path} is not valid TOML: {err}") from None
+
+
+def build(args: argparse.Namespace) -> tuple[ModelSpec, Cluster, Job]:
+    config = _load(args.config) if args.config else {}
+    unknown = set(config) - {"model", "cluster", "job"}
+    if unknown:
+        raise ValueError(f"{args.config}: unknown tables {', '.join(sorted(unknown))}; use [model], [cluster], [job]")
+    return build_model(args, config.get("model", {})), build_cluster(args, config.get("cluster")), \
+        build_job(args, config.get("job", {}))
+
+
+def build_model(args: argparse.Namespace, table: dict) -> ModelSpec:
+    table = dict(table)
+    name = args.model or table.pop("name", None) or table.pop("params", None) or "7b"
+    table.pop("name", None), table.pop("params", None)
+    try:
+        model = ModelSpec.from_params(float(name)) if _is_number(name) else ModelSpec.named(str(name))
+    except ValueError:
+        raise
+    layers = args.layers or table.pop("layers", None)
+    hidden = args.hidden or table.pop("hidden", None)
+    vocab = args.vocab or table.pop("vocab", None)
+    fraction = args.trainable if args.trainable is not None else table.pop("trainable", None)
+    if table:
+        raise ValueError(f"unknown [model] keys: {', '.join(sorted(table))}")
+    if _is_number(name) and (layers or hidden):
+        model = ModelSpec.from_params(float(name), layers=layers, hidden=hidden)
+    else:
+        model = replace(model, **{k: v for k, v in (("layers", layers), ("hidden", hidden)) if v})
+    if vocab:
+        model = replace(model, vocab=vocab)
+    return model.with_trainable(float(fraction)) if fraction is not None else model
+
+
+def build_cluster(args: argparse.Namespace, table: dict | None) -> Cluster:
+    cluster = clusters.preset("dgx-a100", args.gpus)
+    if table is not None:
+        cluster = clusters.cluster_from_dict(table, cluster)
+    if args.cluster_file:
+        file_table = _load(args.cluster_file).get("cluster")
+        if file_table is None:
+            raise ValueError(f"{args.cluster_file} has no [cluster] table")
+        cluster = clusters.cluster_from_dict(file_table, cluster)
+    if args.cluster:
+        cluster = clusters.preset(args.cluster, args.gpus)
+    if args.tiers:
+        cluster = replace(cluster, tiers=clusters.parse_tiers(args.tiers), name="custom")
+    if args.gpus is not None or args.gpus_per_node is not None:
+        cluster = cluster.resized(args.gpus, args.gpus_per_node)
+    tiers = list(cluster.tiers)
+    inter, intra = len(tiers) - 1, len(tiers) - 2
+    node = tiers[intra].size if len(tiers) > 1 else 1
+    for flag, index, attr, parse in (
+            (args.intra_bw, intra, "bandwidth", lambda v: clusters.parse_bandwidth(v)),
+            (args.inter_bw, inter, "bandwidth", lambda v: clusters.parse_bandwidth(v, node)),
+            (args.intra_lat, intra, "latency", clusters.parse_seconds),
+            (args.inter_lat, inter, "latency", clusters.parse_seconds)):
+        if flag is not None:
+            if index < 0:
+                raise ValueError("this cluster has a single tier: there is no intra-node flag to set")
+            tiers[index] = replace(tiers[index], **{attr: parse(flag)})
+    changes: dict = {"tiers": tuple(tiers)}
+    if args.gpu_mem is not None:
+        changes["gpu_memory"] = clusters.parse_bytes(args.gpu_mem)
+    if args.peak_tflops is not None:
+        changes["peak_flops"] = args.peak_tflops * 1e12
+    return replace(cluster, **changes)
+
+
+def build_job(args: argparse.Namespace, table: dict) -> Job:
+    values = dict(table)
+    unknown = set(values) - JOB_KEYS
+    if unknown:
+        raise ValueError(f"unknown [job] keys: {', '.join(sorted(unknown))}; known: {', '.join(sorted(JOB_KEYS))}")
+    for key in ("micro_batch", "seq", "accum", "efficiency", "overlap", "recompute", "reduce_bytes"):
+        value = getattr(args, key)
+        if value is not None:
+            values[key] = value
+    return Job(**values)
+
+
+def _is_number(value: object) -> bool:
+    try:
+        float(value)  # type: ignore[arg-type]
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+# ---- output -------------------------------------------------------------------------------------
+def describe(model: ModelSpec, cluster: Cluster, job: Job) -> list[str]:
+    tiers = ", ".join(f"{t.name} x{t.size} @{t.bandwidth / 1e9:.3g} GB/s {t.latency * 1e6:.3g}us" for t in cluster.tiers)
+    return [
+        f"model   {model.label}: {model.params:.3g} params, {model.trainable_fraction:.3g} of them trainable, "
+        f"{model.layers} layers x {model.hidden}",
+        f"cluster {cluster.name or 'custom'}: {cluster.world_size} devices; tiers (bandwidth per device) {tiers}; "
+        f"{cluster.gpu_memory / 1e9:.3g} GB, {cluster.peak_flops / 1e12:.4g} TFLOPS peak",
+        f"job     micro-batch {job.micro_batch} x seq {job.seq}, accum {job.accum}, recompute "
+        f"{'on' if job.recompute else 'off'}, efficiency {job.efficiency:g}; micro-step comm hides behind up to "
+        f"{job.overlap:.0%} of compute, boundary comm is exposed",
+    ]
+
+
+def render(model: ModelSpec, cluster: Cluster, job: Job, ranked: list[Estimate], shown: list[Estimate]) -> str:
+    outer = cluster.tiers[-1].name
+    best = ranked[0]
+    lines = describe(model, cluster, job)
+    lines.append(f"best    {best.plan}: {best.step_time:.4g} s per step, {best.tflops_per_device:.3g} TFLOPS per "
+                 f"device, {best.memory.total / 1e9:.3g} GB per device")
+    lines.append("")
+    head = f"{'#':>4}  {'plan':<24} {'step s':>8} {'x best':>7} {'mem GB':>7} {outer + ' GB/node':>14} " \
+           f"{'exposed s':>9}  why"
+    lines.append(head)
+    for i, e in enumerate(shown, 1):
+        lines.append(f"{i:>4}  {str(e.plan):<24} {e.step_time:>8.4g} {e.step_time / best.step_time:>7.3f} "
+                     f"{e.memory.total / 1e9:>7.3g} {e.bytes_per_group(outer) / 1e9:>14.4g} {e.exposed:>9.3g}  {e.reason}")
+    fit = sum(e.fits for e in ranked)
+    lines.append(f"({len(ranked)} plans, {fit} fit; showing {len(shown)}{'; --top 0 for all' if len(shown) < len(ranked) else ''})")
+    return "\n".join(lines)
+
+
+def as_json(model: ModelSpec, cluster: Cluster, job: Job, ranked: list[Estimate], shown: list[Estimate]) -> dict:
+    return {
+        "model": {"name": model.label, "params": model.params, "trainable": model.trainable,
+                  "layers": model.layers, "hidden": model.hidden, "vocab": model.vocab},
+        "cluster": {"name": cluster.name, "gpu_memory": cluster.gpu_memory, "peak_flops": cluster.peak_flops,
+                    "tiers": [{"name": t.name, "size": t.size, "bandwidth": t.bandwidth, "latency": t.latency}
+                              for t in cluster.tiers]},
+        "job": {f.name: getattr(job, f.name) for f in fields(Job)},
+        "best": str(ranked[0].plan),
+        "evaluated": len(ranked),
+        "fit": sum(e.fits for e in ranked),
+        "plans": [e.as_dict() for e in shown],
+    }

@@ -1,0 +1,155 @@
+"""Bytes and time of the collectives a plan runs per optimizer step.
+
+The collectives are ``tiershard.traffic``'s (the schedule the engine's ledger is checked against); this module
+only prices them. Bytes per tier use ``comm.volume``'s link model through ``rank_bytes``, summed over one group
+and multiplied by the number of congruent groups, so the totals equal ``traffic.total_traffic`` exactly.
+
+[Note: time model] A tier's ``bandwidth`` is per rank. A collective's bytes on a tier are spread evenly over the
+ranks' links of that tier (what multi-channel rings do with one NIC per GPU or a node's NICs shared), the
+tiers' links run at once, so a collective takes the slowest tier's share:
+
+    time = max over tiers (bytes per rank on the tier / tier bandwidth) + latency
+    latency, flat ring:          steps x (k - 1) x the largest latency of the tiers it crosses
+    latency, hierarchical (cc):  steps x sum over tiers (k_t - 1) x that tier's latency
+    steps = 2 for all-reduce, else 1; all-to-all: (k - 1) pairwise steps over its tier
+
+So PaRO-CC changes latency only; it moves the same bytes on the same tiers in this model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Iterable
+
+from ..comm.codecs import BlockCodec, codec_from_spec
+from ..comm.volume import rank_bytes
+from ..plan import Placement
+from ..topology import Topology
+from ..traffic import Collective, FlatGroupShape, group_collectives
+from .specs import Cluster, Job, ModelSpec
+
+MICRO_OPS = ("param_gather", "grad_reduce")   # op-name prefixes that run every micro-step; the rest at the boundary
+
+
+@dataclass(frozen=True)
+class Priced:
+    """One collective (with its repeat count) and what it costs: bytes per tier over all ranks, seconds."""
+
+    collective: Collective
+    tier_bytes: dict[str, int]
+    rank_bytes: dict[str, float]
+    seconds: float
+
+    @property
+    def micro(self) -> bool:
+        return self.collective.op.startswith(MICRO_OPS)
+
+
+def unit_shapes(model: ModelSpec, job: Job, world: int) -> list[tuple[FlatGroupShape, int]]:
+    """Flat groups of the model and how many units share each shape: the blocks, then embedding + head.
+
+    A unit's trainable and frozen parameters are separate flat groups (trainable in proportion Ψ'/Ψ);
+    each is padded to a multiple of the world size, as the engine pads.
+    """
+    def pad(n: int) -> int:
+        return -(-n // world) * world
+
+    out: list[tuple[FlatGroupShape, int]] = []
+    for numel, units in ((model.layer_params(), model.layers), (model.root_params(), 1)):
+        trainable = round(numel * model.trainable_fraction)
+        if trainable:
+            out.append((FlatGroupShape(pad(trainable), True), units))
+        if numel - trainable:
+            out.append((FlatGroupShape(pad(numel - trainable), False), units))
+    return out
+
+
+def plan_collectives(pl: Placement, model: ModelSpec, job: Job) -> list[Collective]:
+    """Every collective of one optimizer step, as ``traffic.group_collectives`` lists them."""
+    out: list[Collective] = []
+    for shape, units in unit_shapes(model, job, pl.topology.world_size):
+        for c in group_collectives(pl, shape, job.param_bytes, job.reduce_bytes, job.accum):
+            out.append(replace(c, count=c.count * units))
+    return _quantized(out, pl, job)
+
+
+def _quantized(collectives: Iterable[Collective], pl: Placement, job: Job) -> list[Collective]:
+    """The qwZ / qgZ wire formats, applied here until ``traffic`` carries them itself.
+
+    qwz: every parameter gather for compute (primary and hpz) carries each rank's shard as int8 payload plus
+    one fp32 scale per block (``comm.codecs``); the after-step parameter sync stays in working precision.
+    qgz: a gradient reduce-scatter from level a to b becomes one all-to-all per tier in between (innermost
+    first), each over that tier's cross group, of the rank's current partial sum quantized chunk by chunk.
+    """
+    plan = pl.plan
+    wcodec = codec_from_spec(plan.qwz) if plan.qwz else None
+    gcodec = codec_from_spec(plan.qgz.removesuffix("+ef")) if plan.qgz else None
+    d = pl.size
+    out: list[Collective] = []
+    for c in collectives:
+        k = d(c.outer) // d(c.inner)
+        if wcodec and c.kind == "all_gather" and c.op.startswith("param_gather"):
+            out.append(replace(c, nbytes=_quantized_bytes(wcodec, c.nbytes // job.param_bytes, k)))
+        elif gcodec and c.kind == "reduce_scatter" and c.op.startswith("grad"):
+            numel = c.nbytes // job.reduce_bytes
+            for level in range(c.inner + 1, c.outer + 1):
+                hop = d(level) // d(level - 1)
+                if hop > 1:
+                    part = numel * d(c.inner) // d(level - 1)
+                    out.append(Collective(c.op, "all_to_all", level - 1, level,
+                                          _quantized_bytes(gcodec, part, hop), c.count))
+        else:
+            out.append(c)
+    return out
+
+
+def _quantized_bytes(codec: BlockCodec, numel: int, k: int) -> int:
+    """Bytes of a ``numel``-element buffer sent as ``k`` separately encoded chunks (payload + scales)."""
+    return k * codec.wire_bytes(numel // k)
+
+
+@lru_cache(maxsize=4096)
+def _links(topology: Topology, kind: str, inner: int, outer: int) -> tuple[int, tuple[tuple[str, int], ...], int]:
+    """Group size, sending links per tier in one group, and links per sender, from the link model itself."""
+    ranks = topology.cross_ranks(0, inner, outer)
+    k = len(ranks)
+    per_sender = k - 1 if kind == "all_to_all" else 1
+    unit = sum(rank_bytes(kind, ranks, k, ranks[0], topology).values()) // per_sender
+    counts: dict[str, int] = {}
+    for r in ranks:
+        for tier, b in rank_bytes(kind, ranks, k, r, topology).items():
+            counts[tier] = counts.get(tier, 0) + b // unit
+    return k, tuple(counts.items()), per_sender
+
+
+@lru_cache(maxsize=65536)
+def _per_link(topology: Topology, kind: str, inner: int, outer: int, nbytes: int) -> int:
+    ranks = topology.cross_ranks(0, inner, outer)
+    per_sender = _links(topology, kind, inner, outer)[2]
+    return sum(rank_bytes(kind, ranks, nbytes, ranks[0], topology).values()) // per_sender
+
+
+def price(c: Collective, cluster: Cluster, cc: bool) -> Priced:
+    """Bytes on each tier (all ranks, all ``c.count`` repeats) and seconds of ``c`` on ``cluster``."""
+    topo = cluster.topology
+    k, links, _ = _links(topo, c.kind, c.inner, c.outer)
+    if k <= 1 or not links:
+        return Priced(c, {}, {}, 0.0)
+    per_link = _per_link(topo, c.kind, c.inner, c.outer, c.nbytes)
+    groups = topo.world_size // k
+    tier_bytes = {t: groups * n * per_link * c.count for t, n in links}
+    per_rank = {t: n * per_link / k for t, n in links}
+    tiers = {t.name: t for t in cluster.tiers}
+    bw_time = max(b / tiers[t].bandwidth for t, b in per_rank.items())
+    steps = 2 if c.kind == "all_reduce" else 1
+    if cc and c.kind != "all_to_all":
+        sizes = [topo.level_size(level) for level in range(c.inner, c.outer + 1)]
+        names = [topo.level_name(level) for level in range(c.inner + 1, c.outer + 1)]
+        latency = steps * sum((b // a - 1) * tiers[n].latency for a, b, n in zip(sizes, sizes[1:], names))
+    else:
+        latency = steps * (k - 1) * max(tiers[t].latency for t, _ in links)
+    return Priced(c, tier_bytes, {t: b * c.count for t, b in per_rank.items()}, c.count * (bw_time + latency))
+
+
+def price_plan(pl: Placement, model: ModelSpec, job: Job, cluster: Cluster) -> list[Priced]:
+    return [price(c, cluster, pl.plan.cc) for c in plan_collectives(pl, model, job)]

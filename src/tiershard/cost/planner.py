@@ -1,0 +1,230 @@
+"""Estimates per plan, the ranking, and the auto-planner (policy on top of the memory and comm mechanisms).
+
+[Note: overlap model] Per optimizer step of A micro-steps::
+
+    compute  = A x tokens x (2Ψ forward [+ 2Ψ recompute] + 2Ψ input grads + 2Ψ' weight grads) / (peak x efficiency)
+    exposed  = max(0, micro-step comm - overlap x compute) + boundary comm
+    step     = compute + exposed
+
+Micro-step comm (parameter gathers, per-micro-step gradient reduction) runs beside compute and hides behind
+up to ``Job.overlap`` of it; boundary comm (gradient sync at the accumulation boundary, the parameter sync
+after the optimizer step) waits for the last backward and the step, so it is fully exposed. The optimizer
+step's own time is left out (it is the same order for every plan that shards os alike).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Sequence
+
+from ..plan import Plan, PlanError
+from ..topology import Topology
+from .comm import Priced, price_plan
+from .memory import Memory, memory
+from .specs import Cluster, Job, ModelSpec
+
+
+class NoPlanFits(ValueError):
+    """No candidate plan fits the model in device memory."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What one plan costs on one cluster for one job (bytes per optimizer step, seconds per optimizer step)."""
+
+    plan: Plan
+    memory: Memory
+    capacity: float
+    tier_bytes: dict[str, int]        # summed over all ranks
+    tier_seconds: dict[str, float]    # per rank: that tier's bytes / its bandwidth
+    compute: float
+    comm_micro: float
+    comm_boundary: float
+    step_time: float
+    world: int
+    group_sizes: dict[str, int] = field(repr=False)   # tier -> ranks per group of the tier inside it
+    model_flops: float = field(repr=False, default=0.0)
+    overlap: float = field(repr=False, default=1.0)
+    reason: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.capacity
+
+    @property
+    def exposed(self) -> float:
+        return self.step_time - self.compute
+
+    @property
+    def quantized(self) -> int:
+        return int(bool(self.plan.qwz)) + int(bool(self.plan.qgz))
+
+    def bytes_per_group(self, tier: str) -> float:
+        """Bytes on ``tier`` per group of the tier inside it: for the world tier, ZeRO++'s bytes per node."""
+        return self.tier_bytes.get(tier, 0) * self.group_sizes[tier] / self.world
+
+    @property
+    def tflops_per_device(self) -> float:
+        """Model flops (no recompute) per device per second, in TFLOPS."""
+        return self.model_flops / self.step_time / 1e12
+
+    def as_dict(self) -> dict:
+        return {
+            "plan": str(self.plan), "fits": self.fits, "step_time_s": self.step_time,
+            "compute_s": self.compute, "comm_micro_s": self.comm_micro, "comm_boundary_s": self.comm_boundary,
+            "exposed_s": self.exposed, "tflops_per_device": self.tflops_per_device,
+            "memory_bytes": self.memory.as_dict(), "capacity_bytes": self.capacity,
+            "tier_bytes_total": dict(self.tier_bytes),
+            "tier_bytes_per_group": {t: self.bytes_per_group(t) for t in self.group_sizes},
+            "tier_seconds": dict(self.tier_seconds), "reason": self.reason,
+        }
+
+
+def compute_seconds(model: ModelSpec, job: Job, cluster: Cluster) -> float:
+    """Seconds of one micro-step's dense-matmul compute on one device."""
+    per_token = 2 * model.params * (2 if job.recompute else 1) + 2 * model.params + 2 * model.trainable
+    return job.tokens * per_token / (cluster.peak_flops * job.efficiency)
+
+
+def evaluate(plan: Plan | str, model: ModelSpec, cluster: Cluster, job: Job) -> Estimate:
+    """Memory, bytes and step time of one plan; raises PlanError if the plan does not fit the topology."""
+    plan = Plan.parse(plan) if isinstance(plan, str) else plan
+    pl = plan.resolve(cluster.topology)
+    priced = price_plan(pl, model, job, cluster)
+    compute = job.accum * compute_seconds(model, job, cluster)
+    micro = sum(p.seconds for p in priced if p.micro)
+    boundary = sum(p.seconds for p in priced if not p.micro)
+    tier_bytes: dict[str, int] = {}
+    tier_seconds: dict[str, float] = {t.name: 0.0 for t in cluster.tiers}
+    bandwidth = {t.name: t.bandwidth for t in cluster.tiers}
+    for p in priced:
+        for tier, b in p.tier_bytes.items():
+            tier_bytes[tier] = tier_bytes.get(tier, 0) + b
+        for tier, b in p.rank_bytes.items():
+            tier_seconds[tier] += b / bandwidth[tier]
+    sizes = (1, *(t.size for t in cluster.tiers))
+    return Estimate(
+        plan=plan, memory=memory(pl, model, job), capacity=cluster.gpu_memory * (1 - job.memory_reserve),
+        tier_bytes=tier_bytes, tier_seconds=tier_seconds, compute=compute, comm_micro=micro,
+        comm_boundary=boundary, step_time=compute + max(0.0, micro - job.overlap * compute) + boundary,
+        world=cluster.world_size, group_sizes={t.name: s for t, s in zip(cluster.tiers, sizes)},
+        model_flops=job.accum * job.tokens * (4 * model.params + 2 * model.trainable), overlap=job.overlap)
+
+
+def candidate_plans(topology: Topology, options: bool = True) -> list[Plan]:
+    """Every placement of p, g, os over the topology's levels, with every hpz / qwz / qgz / cc option that applies."""
+    top = topology.num_levels - 1
+    names = {0: "N", top: "G"}
+    if top >= 2:
+        names[top - 1] = "I"
+    levels = [names.get(lvl, topology.level_name(lvl)) for lvl in range(top + 1)]
+    out: list[Plan] = []
+    for p, g, os_ in itertools.product(range(top + 1), repeat=3):
+        base = Plan(p=levels[p], g=levels[g], os=levels[os_])
+        if not options:
+            out.append(base)
+            continue
+        finer = [levels[h] for h in range(1, p)]
+        hpz_sets = [tuple(s) for n in range(len(finer) + 1) for s in itertools.combinations(finer, n)]
+        for hpz, qwz, qgz, cc in itertools.product(
+                hpz_sets, (None, "int8") if p > 0 else (None,), (None, "int4") if g or os_ else (None,),
+                (False, True) if top >= 2 else (False,)):
+            out.append(base.with_options(hpz=hpz, qwz=qwz, qgz=qgz, cc=cc))
+    return out
+
+
+def _order(e: Estimate) -> tuple:
+    # Fits first; then time (to 6 significant digits, so float noise is a tie); then less quantization, fewer
+    # bytes on the slowest (outermost) tier, less memory, fewer options.
+    outer = next(reversed(e.group_sizes))
+    options = len(e.plan.hpz) + e.quantized + int(e.plan.cc)
+    return (not e.fits, float(f"{e.step_time:.6g}") if e.fits else e.memory.total, e.quantized,
+            e.tier_bytes.get(outer, 0), float(f"{e.memory.total:.6g}"), options, str(e.plan))
+
+
+def rank_plans(model: ModelSpec, cluster: Cluster, job: Job,
+               candidates: Iterable[Plan | str] | None = None) -> list[Estimate]:
+    """Estimates of every candidate, best first, each with the reason it loses to the best."""
+    plans = candidate_plans(cluster.topology) if candidates is None else \
+        [Plan.parse(c) if isinstance(c, str) else c for c in candidates]
+    estimates = []
+    for plan in plans:
+        try:
+            estimates.append(evaluate(plan, model, cluster, job))
+        except PlanError:
+            if candidates is not None:
+                raise
+    estimates.sort(key=_order)
+    if not estimates:
+        return []
+    best = estimates[0]
+    outer = cluster.tiers[-1].name
+    return [replace(e, reason=why(e, best, outer)) for e in estimates]
+
+
+def why(e: Estimate, best: Estimate, outer: str) -> str:
+    """One phrase for why ``e`` ranks below ``best`` (or why it is best)."""
+    gb = 1e9
+    if not e.fits:
+        return f"does not fit: {e.memory.total / gb:.1f} GB > {e.capacity / gb:.1f} GB usable"
+    if e is best:
+        return "fastest that fits" if best.fits else "best"
+    mine, theirs = _order(e), _order(best)
+    if mine[1] == theirs[1]:
+        for index, what in ((2, "more quantization"), (3, "more inter-node bytes"), (4, "more memory")):
+            if mine[index] > theirs[index]:
+                return f"ties; {what}"
+        return "ties; more options"
+    parts = []
+    deltas = {t: e.tier_seconds.get(t, 0.0) - best.tier_seconds.get(t, 0.0) for t in e.tier_seconds}
+    tier, delta = max(deltas.items(), key=lambda kv: kv[1])
+    if delta > 0.01 * e.step_time:
+        size = e.group_sizes[tier]
+        unit = "rank" if size == 1 else "node" if tier == outer else "group"
+        label = "inter-node" if tier == outer else f"{tier}-tier"
+        parts.append(f"more {label} bytes ({e.bytes_per_group(tier) / gb:.3g} vs "
+                     f"{best.bytes_per_group(tier) / gb:.3g} GB/{unit})")
+    slower = e.step_time - best.step_time
+    if e.comm_boundary - best.comm_boundary > 0.5 * slower:
+        parts.append(f"boundary sync exposed ({e.comm_boundary:.3g} s)")
+    elif e.comm_micro > e.overlap * e.compute and e.comm_micro > best.comm_micro:
+        parts.append(f"micro-step comm not hidden ({e.comm_micro:.3g} s vs {e.compute:.3g} s compute)")
+    return "; ".join(parts) or "more collective latency"
+
+
+def coerce_model(model: object) -> ModelSpec:
+    """A ModelSpec from a ModelSpec, a torch module, a name such as ``"7b"`` or a parameter count."""
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, str):
+        try:
+            return ModelSpec.from_params(float(model))
+        except ValueError:
+            return ModelSpec.named(model)
+    if isinstance(model, (int, float)) and not isinstance(model, bool):
+        return ModelSpec.from_params(float(model))
+    try:
+        import torch.nn as nn
+    except ImportError:  # pragma: no cover
+        nn = None
+    if nn is not None and isinstance(model, nn.Module):
+        return ModelSpec.from_module(model)
+    raise TypeError(f"cannot plan for {type(model).__name__}: pass a ModelSpec, a torch module, "
+                    "a name such as '7b' or a parameter count")
+
+
+def auto_plan(model: object, cluster: Cluster, job: Job | None = None, *,
+              candidates: Sequence[Plan | str] | None = None) -> Plan:
+    """The fastest plan that fits in memory; ties go to less quantization. Raises NoPlanFits."""
+    if not isinstance(cluster, Cluster):
+        raise TypeError("auto_plan needs a tiershard.cost.Cluster (tiers with bandwidth and latency), "
+                        "e.g. tiershard.clusters.preset('dgx-a100', gpus=64)")
+    spec = coerce_model(model)
+    ranked = rank_plans(spec, cluster, job or Job(), candidates)
+    if not ranked or not ranked[0].fits:
+        smallest = min(ranked, key=lambda e: e.memory.total) if ranked else None
+        need = f"; the smallest, {smallest.plan}, needs {smallest.memory.total / 1e9:.1f} GB" if smallest else ""
+        raise NoPlanFits(
+            f"{spec.label} does not fit in {cluster.gpu_memory / 1e9:.1f} GB per device on {cluster.world_size} "
+            f"devices under any plan{need}: add devices, lower the micro-batch or sequence length, or turn on recompute")
+    return ranked[0].plan
