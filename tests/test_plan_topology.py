@@ -1,0 +1,108 @@
+"""Plans, topologies and their errors: pure arithmetic, plus the errors that need a process group."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiershard as ts
+from tiershard.plan import all_placements
+from _dist import run_ranks
+from _models import Block, TinyGPT
+
+
+@pytest.mark.parametrize("text", ["IIG", "zero3", "zero++", "GGG+hpz+qwz+qgz", "p=pair,g=node,os=world",
+                                  "NIG+qgz=int4+ef", "hsdp+cc", "GGG+qwz=int8:1024", "p=N,g=I,os=G+hpz=pair/node",
+                                  "zero3+hpz"])
+def test_str_round_trips(text):
+    plan = ts.Plan.parse(text)
+    assert ts.Plan.parse(str(plan)) == plan
+
+
+def test_presets_are_the_known_placements():
+    expect = {"ddp": "NNN", "zero1": "NNG", "zero2": "NGG", "zero3": "GGG", "hsdp": "III",
+              "zero++": "GGG+hpz+qwz+qgz"}
+    for preset, code in expect.items():
+        assert str(ts.Plan.parse(preset)) == code
+    assert ts.Plan.parse("IIG") == ts.Plan(p="I", g="I", os="G")
+    assert len(set(all_placements())) == 27
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("zero4", "unknown plan"), ("IXG", "unknown plan"), ("GGG+fast", "unknown plan option"),
+    ("GGG+qwz=int3", "unknown qwz codec"), ("p=G,g=G", "lacks os"), ("GGG+ef", "must follow qgz"),
+    ("GGG+qwz=int8+ef", "must follow qgz"), ("", "empty plan")])
+def test_bad_plans_name_the_fix(text, fragment):
+    with pytest.raises(ts.PlanError, match=fragment):
+        ts.Plan.parse(text)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("p=rack,g=G,os=G", "unknown level 'rack'"), ("NNN+qwz", "replicated and never gathered"),
+    ("IIG+hpz=world", "strictly inside"), ("NNN+qgz", "plain all-reduce")])
+def test_plans_that_do_not_fit_the_topology(text, fragment):
+    with pytest.raises(ts.PlanError, match=fragment):
+        ts.Plan.parse(text).resolve(ts.Topology((2, 4)))
+
+
+def test_level_I_needs_two_tiers():
+    with pytest.raises(ts.PlanError, match="single tier"):
+        ts.Plan.parse("IIG").resolve(ts.Topology((4,)))
+
+
+def test_topology_validation():
+    with pytest.raises(ts.TopologyError, match="does not divide"):
+        ts.Topology((3, 4))
+    with pytest.raises(ts.TopologyError, match="distinct"):
+        ts.Topology((2, 4), names=("node", "node"))
+    topo = ts.Topology((2, 4, 8))
+    assert topo.names == ("pair", "node", "world")
+    assert [topo.level_of(x) for x in ("N", "pair", "I", "G")] == [0, 1, 2, 3]
+
+
+def test_ownership_map_nests_finer_shards_inside_coarser():
+    """[Note: ownership map]: a rank's chunk at a finer level lies inside its chunk at every coarser level."""
+    topo = ts.Topology((2, 4, 8))
+    S = 8 * 3
+    for rank in range(8):
+        ranges = []
+        for level in range(topo.num_levels):
+            size = S // topo.level_size(level)
+            start = topo.chunk_index(rank, level) * size
+            ranges.append((start, start + size))
+        for (a0, a1), (b0, b1) in zip(ranges, ranges[1:]):
+            assert a0 <= b0 and b1 <= a1, (rank, ranges)
+    # every level's chunks are owned exactly once inside each group
+    for level in range(topo.num_levels):
+        for rank in range(8):
+            owners = sorted(topo.chunk_index(r, level) for r in topo.group_ranks(rank, level))
+            assert owners == list(range(topo.level_size(level)))
+
+
+def test_tier_of_link():
+    topo = ts.Topology((2, 4, 8))
+    assert topo.tier_of_link(0, 1) == "pair"
+    assert topo.tier_of_link(1, 2) == "node"
+    assert topo.tier_of_link(3, 4) == "world"
+
+
+def test_shard_before_init_process_group():
+    with pytest.raises(ts.TopologyError, match="init_process_group"):
+        ts.shard(TinyGPT(), "GGG", ts.Topology((2, 4)), wrap={Block})
+
+
+def _wrong_world(rank, world):
+    try:
+        ts.shard(TinyGPT(), "GGG", ts.Topology((2, 8)), wrap={Block})
+    except ts.TopologyError as err:
+        return str(err)
+    return None
+
+
+def test_topology_that_does_not_match_the_world():
+    messages = run_ranks(_wrong_world, 2)
+    assert all(m and "covers 8 ranks but the world has 2" in m for m in messages), messages
+
+
+def test_error_feedback_only_for_gradients():
+    with pytest.raises(ts.PlanError, match="error feedback"):
+        ts.Plan(qwz="int8+ef")
