@@ -37,7 +37,7 @@ def test_model_states_exact_values():
     peft = SEVEN_B.with_trainable(1 / 16)     # Ψ' = 437.5e6
     assert cost.memory(ts.Plan.parse("IGG").resolve(topo), peft, Job()).model_states == \
         pytest.approx(2 * 7e9 / 8 + 2 * 437.5e6 / 64 + 12 * 437.5e6 / 64)
-    assert cost.memory(ts.Plan.parse("NIG").resolve(topo), SEVEN_B, Job(reduce_bytes=4)).model_states == \
+    assert cost.memory(ts.Plan.parse("NIG").resolve(topo), SEVEN_B, Job(grad_bytes=4)).model_states == \
         pytest.approx(2 * 7e9 + 4 * 7e9 / 8 + 12 * 7e9 / 64)
 
 

@@ -108,6 +108,10 @@ def parse_tiers(text: str) -> tuple[Tier, ...]:
     return tuple(tiers)
 
 
+# Keys of one [[cluster.tiers]] table; the all_to_all_* ones are what the probe measured, kept for reading.
+TIER_KEYS = {"name", "size", "bandwidth", "latency", "all_to_all_bandwidth", "all_to_all_latency"}
+
+
 def cluster_from_dict(table: Mapping[str, object], base: Cluster | None = None) -> Cluster:
     """A cluster from a ``[cluster]`` TOML table: ``preset``, ``tiers`` (list of tables), ``gpu_memory``,
     ``peak_flops``; values may be numbers (SI) or strings with units."""
@@ -123,6 +127,10 @@ def cluster_from_dict(table: Mapping[str, object], base: Cluster | None = None) 
         for t in raw:
             if not isinstance(t, Mapping) or not {"name", "size", "bandwidth"} <= t.keys():
                 raise ValueError(f"cluster tier {t!r} needs name, size and bandwidth")
+            extra = set(t) - TIER_KEYS
+            if extra:
+                raise ValueError(f"cluster tier {t['name']!r}: unknown keys {', '.join(sorted(extra))} "
+                                 f"(known: {', '.join(sorted(TIER_KEYS))}; cluster-wide keys go before the tiers)")
             tiers.append(Tier(name=str(t["name"]), size=int(t["size"]), bandwidth=parse_bandwidth(t["bandwidth"], inner),
                               latency=parse_seconds(t.get("latency", 5e-6))))
             inner = int(t["size"])

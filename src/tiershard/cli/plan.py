@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import fields, replace
 from pathlib import Path
@@ -57,12 +58,25 @@ def add_parser(subparsers) -> None:
     j.add_argument("--overlap", type=float, help="fraction of compute that hides micro-step comm (default 0.8)")
     j.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
                    help="activation checkpointing (default on)")
-    j.add_argument("--reduce-bytes", type=int, help="bytes per gradient element in reduction (2 bf16, 4 fp32)")
+    j.add_argument("--reduce-bytes", type=int, help="bytes per gradient element on the wire (2 bf16, 4 fp32)")
+    j.add_argument("--grad-bytes", type=int, help="bytes per accumulated gradient element (default 2; the engine's fp32: 4)")
     o = p.add_argument_group("output")
     o.add_argument("--plans", help="comma-separated plans to compare instead of all, e.g. zero3,zero++,IIG")
     o.add_argument("--top", type=int, help="rows to show (default 10; 0 = all; --json shows all)")
     o.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
+    one_line_errors(p)
+
+
+def one_line_errors(parser: argparse.ArgumentParser) -> None:
+    """Make a subcommand's argument errors one line and exit 2 like CliError, and let values such as
+    ``-25GB/s`` reach the validators (which explain them) instead of being taken for options."""
+    def error(message: str):
+        print(f"{parser.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    parser.error = error  # type: ignore[method-assign]
+    parser._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?[A-Za-zµ/]*$")
 
 
 def clusters_models() -> list[str]:
@@ -175,7 +189,7 @@ def build_job(args: argparse.Namespace, table: dict) -> Job:
     unknown = set(values) - JOB_KEYS
     if unknown:
         raise ValueError(f"unknown [job] keys: {', '.join(sorted(unknown))}; known: {', '.join(sorted(JOB_KEYS))}")
-    for key in ("micro_batch", "seq", "accum", "efficiency", "overlap", "recompute", "reduce_bytes"):
+    for key in ("micro_batch", "seq", "accum", "efficiency", "overlap", "recompute", "reduce_bytes", "grad_bytes"):
         value = getattr(args, key)
         if value is not None:
             values[key] = value

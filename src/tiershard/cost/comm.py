@@ -24,6 +24,7 @@ from typing import Iterable
 from ..comm.codecs import BlockCodec, codec_from_spec
 from ..comm.volume import rank_bytes
 from ..plan import Placement
+from ..runtime.flat import padded_numel
 from ..topology import Topology
 from ..traffic import Collective, FlatGroupShape, group_collectives
 from .specs import Cluster, Job, ModelSpec
@@ -46,21 +47,16 @@ class Priced:
 
 
 def unit_shapes(model: ModelSpec, job: Job, world: int) -> list[tuple[FlatGroupShape, int]]:
-    """Flat groups of the model and how many units share each shape: the blocks, then embedding + head.
+    """Flat groups of the model and how many units share each shape (``traffic.module_shapes``'s convention).
 
-    A unit's trainable and frozen parameters are separate flat groups (trainable in proportion Ψ'/Ψ);
-    each is padded to a multiple of the world size, as the engine pads.
+    A unit's trainable and frozen parameters are separate flat groups, each padded to a multiple of the world
+    size as the engine pads; a unit runs backward when it has trainable parameters.
     """
-    def pad(n: int) -> int:
-        return -(-n // world) * world
-
     out: list[tuple[FlatGroupShape, int]] = []
-    for numel, units in ((model.layer_params(), model.layers), (model.root_params(), 1)):
-        trainable = round(numel * model.trainable_fraction)
-        if trainable:
-            out.append((FlatGroupShape(pad(trainable), True), units))
-        if numel - trainable:
-            out.append((FlatGroupShape(pad(numel - trainable), False), units))
+    for trainable, frozen, units in model.unit_sizes():
+        for numel, grad in ((trainable, True), (frozen, False)):
+            if numel:
+                out.append((FlatGroupShape(padded_numel(numel, world), grad, backward=trainable > 0), units))
     return out
 
 

@@ -3,7 +3,7 @@
 Model states in mixed precision (reference/papers.md section 1)::
 
     params  param_bytes     x Ψ  / d_p        working-precision weights at rest
-    grads   reduce_bytes    x Ψ' / d_g        accumulated gradients
+    grads   grad_bytes      x Ψ' / d_g        accumulated gradients
     optim   optimizer_bytes x Ψ' / d_os       fp32 master + Adam m, v (12 bytes)
     hpz     param_bytes     x Ψ  / d_h        one cached weight shard per hpz level h (ZeRO++ section 2.6)
 
@@ -54,8 +54,8 @@ def memory(pl: Placement, model: ModelSpec, job: Job) -> Memory:
     d = pl.size
     plan = pl.plan
     psi, psi_t = model.params, model.trainable
-    unit = max(model.layer_params(), model.root_params())
-    unit_t = unit * model.trainable_fraction
+    unit = max(t + f for t, f, _ in model.unit_sizes())
+    unit_t = max(t for t, _, _ in model.unit_sizes())
     buffers = 0.0
     if pl.p > 0:
         buffers += 2 * unit * job.param_bytes + (unit if plan.qwz else 0)
@@ -63,7 +63,7 @@ def memory(pl: Placement, model: ModelSpec, job: Job) -> Memory:
         buffers += unit_t * job.reduce_bytes + (unit_t if plan.qgz else 0)
     return Memory(
         params=job.param_bytes * psi / d(pl.p),
-        grads=job.reduce_bytes * psi_t / d(pl.g),
+        grads=job.grad_bytes * psi_t / d(pl.g),
         optimizer=job.optimizer_bytes * psi_t / d(pl.os),
         hpz=sum(job.param_bytes * psi / d(h) for h in pl.hpz),
         buffers=buffers,

@@ -35,7 +35,9 @@ class ModelSpec:
 
     ``params``: all parameters (Ψ); ``trainable``: those with gradients (Ψ', default all); ``layers`` and
     ``hidden`` size the repeated blocks (one sharded unit each) and the activations; ``vocab`` sizes the
-    embedding/head unit and the logits.
+    embedding/head unit and the logits. ``units``, when known (``from_module``), lists each sharded unit's
+    (trainable, frozen) parameter counts exactly as ``ts.shard`` would cut them; otherwise the units are
+    ``layers`` equal blocks plus an embedding/head unit, trainable in proportion.
     """
 
     params: int
@@ -44,6 +46,7 @@ class ModelSpec:
     trainable: int | None = None
     vocab: int = 32000
     name: str = ""
+    units: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         _positive_int(self, "params", "layers", "hidden", "vocab")
@@ -52,6 +55,10 @@ class ModelSpec:
             raise ValueError(f"trainable={self.trainable!r} must be an integer in 1..params ({self.params}): "
                              "the number of parameters that get gradients")
         object.__setattr__(self, "trainable", trainable)
+        units = tuple((int(t), int(f)) for t, f in self.units)
+        if units and (sum(t for t, _ in units) != trainable or sum(t + f for t, f in units) != self.params):
+            raise ValueError(f"units {units} do not add up to params={self.params}, trainable={trainable}")
+        object.__setattr__(self, "units", units)
 
     @property
     def trainable_fraction(self) -> float:
@@ -68,10 +75,24 @@ class ModelSpec:
     def layer_params(self) -> int:
         return (self.params - self.root_params()) // self.layers
 
+    def unit_sizes(self) -> list[tuple[int, int, int]]:
+        """(trainable, frozen, how many units) per distinct unit shape."""
+        if self.units:
+            counts: dict[tuple[int, int], int] = {}
+            for unit in self.units:
+                counts[unit] = counts.get(unit, 0) + 1
+            return [(t, f, n) for (t, f), n in counts.items()]
+        out = []
+        for numel, n in ((self.layer_params(), self.layers), (self.root_params(), 1)):
+            trainable = round(numel * self.trainable_fraction)
+            if numel:
+                out.append((trainable, numel - trainable, n))
+        return out
+
     def with_trainable(self, fraction: float) -> "ModelSpec":
         if not 0 < fraction <= 1:
             raise ValueError(f"trainable fraction {fraction!r} must be in (0, 1], e.g. 1 for full training, 0.003 for LoRA")
-        return replace(self, trainable=max(1, round(self.params * fraction)))
+        return replace(self, trainable=max(1, round(self.params * fraction)), units=())
 
     @classmethod
     def named(cls, name: str) -> "ModelSpec":
@@ -96,13 +117,25 @@ class ModelSpec:
         return cls(params=int(params), layers=int(layers), hidden=int(hidden), vocab=vocab)
 
     @classmethod
-    def from_module(cls, module: "torch.nn.Module", *, layers: int | None = None,
+    def from_module(cls, module: "torch.nn.Module", *, wrap=None, layers: int | None = None,
                     hidden: int | None = None, vocab: int | None = None) -> "ModelSpec":
-        """Count a module's parameters; layers default to the longest ModuleList, hidden to the widest embedding."""
+        """Count a module's parameters, cut into units as ``ts.shard(module, ..., wrap=wrap)`` cuts them.
+
+        Layers default to the longest ModuleList (for activations), hidden to the widest embedding.
+        """
         import torch.nn as nn
 
-        params = sum(p.numel() for p in module.parameters())
-        trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        from ..runtime.wrap import find_units
+
+        units = []
+        for unit in find_units(module, wrap):
+            sizes = {True: 0, False: 0}
+            for param, _, _ in unit.params:
+                sizes[param.requires_grad] += param.numel()
+            if sizes[True] or sizes[False]:
+                units.append((sizes[True], sizes[False]))
+        params = sum(t + f for t, f in units)
+        trainable = sum(t for t, _ in units)
         if params == 0 or trainable == 0:
             raise ValueError("the module has no (trainable) parameters to plan for")
         lists = [len(m) for m in module.modules() if isinstance(m, nn.ModuleList)]
@@ -114,7 +147,7 @@ class ModelSpec:
         if vocab is None:
             vocab = max((e.num_embeddings for e in embeds), default=1)
         return cls(params=params, trainable=trainable, layers=layers or max(lists, default=1),
-                   hidden=hidden, vocab=vocab, name=type(module).__name__)
+                   hidden=hidden, vocab=vocab, name=type(module).__name__, units=tuple(units))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,7 +235,8 @@ class Job:
     """How the model is trained on each device, per optimizer step.
 
     ``accum``: micro-steps per optimizer step; ``param_bytes``/``reduce_bytes``: working precision of weights and
-    of gradient reduction and accumulation (2 = bf16); ``optimizer_bytes``: fp32 master + Adam m, v per trainable
+    of gradient reduction on the wire (2 = bf16); ``grad_bytes``: per accumulated gradient element (2 in the papers'
+    accounting; tiershard's engine accumulates in fp32, 4); ``optimizer_bytes``: fp32 master + Adam m, v per trainable
     parameter; ``efficiency``: achieved fraction of peak flops in compute; ``overlap``: fraction of compute time
     that per-micro-step communication can hide behind; ``recompute``: activation checkpointing (one more forward,
     only layer inputs kept); ``memory_reserve``: fraction of device memory kept for the framework and fragmentation.
@@ -213,6 +247,7 @@ class Job:
     accum: int = 1
     param_bytes: int = 2
     reduce_bytes: int = 2
+    grad_bytes: int = 2
     optimizer_bytes: int = 12
     efficiency: float = 0.5
     overlap: float = 0.8
@@ -220,7 +255,8 @@ class Job:
     memory_reserve: float = 0.1
 
     def __post_init__(self) -> None:
-        _positive_int(self, "micro_batch", "seq", "accum", "param_bytes", "reduce_bytes", "optimizer_bytes")
+        _positive_int(self, "micro_batch", "seq", "accum", "param_bytes", "reduce_bytes", "grad_bytes",
+                      "optimizer_bytes")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"efficiency={self.efficiency!r} must be in (0, 1]: the achieved fraction of peak flops")
         if not 0 <= self.overlap <= 1:
