@@ -208,7 +208,7 @@ def _is_number(value: object) -> bool:
 def describe(model: ModelSpec, cluster: Cluster, job: Job) -> list[str]:
     tiers = ", ".join(f"{t.name} x{t.size} @{t.bandwidth / 1e9:.3g} GB/s {t.latency * 1e6:.3g}us" for t in cluster.tiers)
     return [
-        f"model   {model.label}: {model.params:.3g} params, {model.trainable_fraction:.3g} of them trainable, "
+        f"model   {model.label}: {model.params:.3g} params, {100 * model.trainable_fraction:.3g}% trainable, "
         f"{model.layers} layers x {model.hidden}",
         f"cluster {cluster.name or 'custom'}: {cluster.world_size} devices; tiers (bandwidth per device) {tiers}; "
         f"{cluster.gpu_memory / 1e9:.3g} GB, {cluster.peak_flops / 1e12:.4g} TFLOPS peak",

@@ -1,0 +1,195 @@
+"""``tiershard probe``: measure each tier's bandwidth and latency on the running cluster, write a TOML file.
+
+Every tier is measured on the groups whose links are all of that tier (``topology.group_for(rank, k-1, k)``:
+the ranks at one position in each of the tier's inner groups), all groups at once, as training loads them.
+For a few buffer sizes S it times an all-gather (output S) and an all-to-all (input S); a rank sends
+(k-1)/k x S in both, so ``time = (k-1) x latency + sent / bandwidth`` is fitted over the sizes.
+
+Run it under torchrun (``torchrun --nproc-per-node 8 -m tiershard.cli probe --out cluster.toml``) or let it
+start its own CPU ranks with gloo (``tiershard probe --nproc 4 --ranks-per-node 2``). The file feeds
+``tiershard plan --cluster-file cluster.toml``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import CliError
+from .plan import one_line_errors
+
+DEFAULT_SIZES = "64KB,1MB,8MB"
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("probe", help="measure tier bandwidth and latency; write a cluster TOML file",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="cluster.toml", help="file to write (default cluster.toml)")
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"buffer sizes per collective (default {DEFAULT_SIZES})")
+    p.add_argument("--iters", type=int, default=5, help="timed repetitions per size (median is kept)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--tiers", help="tier sizes innermost first, e.g. 2,8,64 (default: TIERSHARD_TOPOLOGY or "
+                                   "LOCAL_WORLD_SIZE,WORLD_SIZE from the launcher)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
+    p.add_argument("--nproc", type=int, help="start this many local ranks (CPU, gloo) instead of running under torchrun")
+    p.add_argument("--ranks-per-node", type=int, help="with --nproc: ranks per emulated node (default all)")
+    p.set_defaults(func=run)
+    one_line_errors(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..clusters import parse_bytes
+
+    try:
+        sizes = [int(parse_bytes(s)) for s in args.sizes.split(",")]
+    except ValueError as err:
+        raise CliError(str(err)) from None
+    if any(s < 64 for s in sizes) or args.iters < 1 or args.warmup < 0:
+        raise CliError("--sizes must each be at least 64B, --iters at least 1 and --warmup at least 0")
+    if args.nproc is not None:
+        return launch(args)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise CliError("no ranks to measure: run under torchrun, or give --nproc N to start N local ranks")
+    return worker(args, sizes)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Start ``--nproc`` ranks on this machine through torch.distributed.run, emulating nodes of ``--ranks-per-node``."""
+    nproc, per_node = args.nproc, args.ranks_per_node or args.nproc
+    if nproc < 2 or per_node < 1 or nproc % per_node:
+        raise CliError(f"--nproc {nproc} must be at least 2 and a multiple of --ranks-per-node {per_node}")
+    sizes = args.tiers or (f"{per_node},{nproc}" if per_node < nproc else f"{nproc}")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TIERSHARD_TOPOLOGY=sizes)
+    forward = ["--out", str(Path(args.out).resolve()), "--sizes", args.sizes, "--iters", str(args.iters),
+               "--warmup", str(args.warmup), "--backend", args.backend or "gloo"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "tiershard.cli", "probe", *forward]
+    code = subprocess.call(cmd, env=env)
+    if code:
+        raise CliError(f"the probe ranks failed with exit code {code} (their output is above)")
+    return 0
+
+
+def worker(args: argparse.Namespace, sizes: list[int]) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from ..topology import Topology, TopologyError
+
+    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
+    try:
+        try:
+            topo = Topology([int(s) for s in args.tiers.split(",")]) if args.tiers else Topology.from_env()
+            topo.init_process_groups()
+        except (TopologyError, ValueError) as err:
+            raise CliError(str(err)) from None
+        rank = dist.get_rank()
+        results = [measure_tier(topo, level, sizes, args, device) for level in range(1, topo.num_levels)]
+        if rank == 0:
+            memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+            Path(args.out).write_text(to_toml(topo, results, sizes, args, backend, memory))
+            print(f"tiershard probe: wrote {args.out}")
+            for tier in results:
+                print(f"  {tier['name']:>8}: {tier['bandwidth'] / 1e9:.3g} GB/s per rank, "
+                      f"{tier['latency'] * 1e6:.3g} us per step (all-to-all {tier['all_to_all_bandwidth'] / 1e9:.3g} GB/s)")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def measure_tier(topo, level: int, sizes: list[int], args: argparse.Namespace, device) -> dict:
+    """Median seconds (slowest rank) of an all-gather and an all-to-all per size on this tier's groups, and the fit."""
+    import torch
+    import torch.distributed as dist
+
+    group = topo.group_for(topo.rank, level - 1, level)
+    name = topo.level_name(level)
+    if group.size < 2:
+        raise CliError(f"tier {name!r} has one group member per group in {topo}: nothing to measure; "
+                       "give more ranks or a different --tiers / --ranks-per-node")
+    k = group.size
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    samples: dict[str, list[tuple[float, float]]] = {"all_gather": [], "all_to_all": []}
+    for size in sizes:
+        numel = max(k, size // 4 // k * k)
+        full = torch.ones(numel, device=device)
+        shard = torch.ones(numel // k, device=device)
+        ops = {"all_gather": lambda: gather(full, shard, group=group.pg),
+               "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(full), full, group=group.pg)}
+        for kind, op in ops.items():
+            times = []
+            for i in range(args.warmup + args.iters):
+                dist.barrier(group=group.pg)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                op()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - start)
+            slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            samples[kind].append(((k - 1) * numel * 4 / k, float(slowest)))
+    bandwidth, latency = fit(samples["all_gather"], k)
+    a2a_bandwidth, a2a_latency = fit(samples["all_to_all"], k)
+    return {"name": name, "size": topo.level_size(level), "members": k, "bandwidth": bandwidth, "latency": latency,
+            "all_to_all_bandwidth": a2a_bandwidth, "all_to_all_latency": a2a_latency, "samples": samples}
+
+
+def fit(points: list[tuple[float, float]], k: int) -> tuple[float, float]:
+    """Least squares ``t = a + x / bandwidth`` over (bytes sent per rank, seconds); latency = a / (k - 1).
+
+    A non-positive slope (timing noise drowns the bytes) falls back to the best observed rate; a non-positive
+    intercept to the smallest time, an upper bound on the latency.
+    """
+    xs, ts = [p[0] for p in points], [p[1] for p in points]
+    n = len(points)
+    mx, mt = sum(xs) / n, sum(ts) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / var if var > 0 else 0.0
+    bandwidth = 1 / slope if slope > 0 else max(x / t for x, t in points)
+    intercept = mt - slope * mx if slope > 0 else 0.0
+    if intercept <= 0:
+        intercept = min(ts)
+    return bandwidth, intercept / (k - 1)
+
+
+def to_toml(topo, results: list[dict], sizes: list[int], args: argparse.Namespace, backend: str,
+            memory: int | None) -> str:
+    lines = [
+        f"# Written by tiershard probe: {topo.world_size} ranks as tiers {topo.sizes}, backend {backend},",
+        f"# sizes {sizes} bytes, median of {args.iters} after {args.warmup} warm-up, slowest rank.",
+        "# bandwidth: bytes/s one rank sends on the tier's links (all-gather fit); latency: seconds per step.",
+        "# peak_flops is not measured: tiershard plan takes it from --peak-tflops or its default preset.",
+        "[cluster]",
+        'name = "probe"',
+    ]
+    if memory is not None:
+        lines.append(f"gpu_memory = {memory}")
+    for tier in results:
+        lines += ["", "[[cluster.tiers]]", f'name = "{tier["name"]}"', f"size = {tier['size']}",
+                  f"bandwidth = {tier['bandwidth']:.6e}", f"latency = {tier['latency']:.6e}",
+                  f"all_to_all_bandwidth = {tier['all_to_all_bandwidth']:.6e}",
+                  f"all_to_all_latency = {tier['all_to_all_latency']:.6e}"]
+        for kind, points in tier["samples"].items():
+            pairs = ", ".join(f"{x:.0f} B sent in {t:.3e} s" for x, t in points)
+            lines.append(f"# {kind} over {tier['members']} members: {pairs}")
+    return "\n".join(lines) + "\n"
