@@ -1,0 +1,242 @@
+"""``tiershard train``: train the built-in GPT with a sharding plan, on ranks it launches or under torchrun.
+
+Launched plainly, it validates everything it can (config keys, topology, plan, data) *before* starting ranks,
+writes the resolved config to the output folder and starts ``--nproc`` ranks through
+``torch.distributed.run`` (the machinery behind ``torchrun``), each running this same command on that file.
+Under an outside ``torchrun`` (RANK, WORLD_SIZE and LOCAL_RANK set) it trains in the current process.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+from . import CliError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+# flag, section, key, type, help (the flag reference in docs/training.md follows this table)
+FLAGS: list[tuple[str, str, str, type, str]] = [
+    ("--model", "model", "preset", str, "model preset: tiny, small (default), medium"),
+    ("--n-layer", "model", "n_layer", int, "transformer blocks"),
+    ("--n-head", "model", "n_head", int, "attention heads"),
+    ("--n-embd", "model", "n_embd", int, "embedding width"),
+    ("--block-size", "model", "block_size", int, "sequence length"),
+    ("--data", "data", "source", str, "'stdlib', a text file, a .bin token file or a folder with train.bin/val.bin"),
+    ("--max-bytes", "data", "max_bytes", int, "cap on the bytes read from the stdlib or a text file"),
+    ("--steps", "train", "steps", int, "optimizer steps"),
+    ("--batch", "train", "batch", int, "sequences per rank per micro-step"),
+    ("--accum", "train", "accum", int, "micro-steps per optimizer step (gradient accumulation)"),
+    ("--lr", "train", "lr", float, "peak learning rate"),
+    ("--min-lr", "train", "min_lr", float, "learning rate at the end of the cosine"),
+    ("--warmup", "train", "warmup", int, "linear warmup steps"),
+    ("--clip", "train", "clip", float, "max global gradient norm, 0 for none"),
+    ("--precision", "train", "precision", str, "fp32 or bf16 (bf16 working weights, fp32 masters)"),
+    ("--seed", "train", "seed", int, "seed of the initial weights and of the batches"),
+    ("--log-interval", "train", "log_interval", int, "steps between progress lines when not on a terminal"),
+    ("--eval-interval", "train", "eval_interval", int, "steps between validation losses"),
+    ("--out", "train", "out", str, "output folder (metrics.jsonl, train.png, model.pt, config.toml)"),
+    ("--save", "train", "save", bool, "write the trained weights to model.pt"),
+    ("--plan", "parallel", "plan", str, "sharding plan: a preset (zero3, hsdp, ...), a code like IIG, or auto"),
+    ("--nproc", "parallel", "nproc", int, "ranks to launch on this machine"),
+    ("--ranks-per-node", "parallel", "ranks_per_node", int, "ranks per (emulated) node"),
+    ("--backend", "parallel", "backend", str, "auto (nccl with a GPU per rank, else gloo), gloo or nccl"),
+]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "train", help="train the built-in GPT with a sharding plan",
+        description="Train the built-in GPT on an embedded corpus across (emulated) nodes. Flags override the "
+                    "TOML config; without --config the defaults are those of configs/default.toml.")
+    p.add_argument("--config", metavar="TOML", help="a job config such as configs/default.toml")
+    for flag, section, key, kind, text in FLAGS:
+        dest = f"{section}.{key}"
+        if kind is bool:
+            p.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            p.add_argument(flag, dest=dest, type=kind, default=None, metavar=key.upper(), help=text)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args)
+    if under_torchrun():
+        return _run_rank(cfg)
+    from ..topology import Topology
+
+    topo = Topology((cfg.parallel.ranks_per_node, cfg.parallel.nproc))
+    cfg = check(cfg, topo)
+    return _launch(cfg, topo)
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def load_config(args: argparse.Namespace):
+    """The TOML file (if any) with the flags laid over it, as a validated JobConfig."""
+    from ..train_config import JobConfig, merge
+
+    raw: dict[str, Any] = {}
+    where = "the flags"
+    if args.config:
+        path = Path(args.config)
+        if not path.is_file():
+            raise CliError(f"config file {path} does not exist")
+        try:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+            raise CliError(f"{path} is not valid TOML: {err}") from None
+        where = str(path)
+    overrides: dict[str, dict[str, Any]] = {}
+    for _, section, key, _, _ in FLAGS:
+        value = getattr(args, f"{section}.{key}", None)
+        if value is not None:
+            overrides.setdefault(section, {})[key] = value
+    try:
+        return JobConfig.from_dict(merge(raw, overrides), where)
+    except ValueError as err:
+        raise CliError(str(err)) from None
+
+
+def check(cfg, topo):
+    """Everything that can fail before ranks start: the plan against the topology, the data, the vocabulary.
+
+    Returns the config with ``plan = "auto"`` replaced by the planner's choice.
+    """
+    from dataclasses import replace
+
+    from .. import data as data_mod
+    from ..plan import Plan, PlanError
+
+    if cfg.parallel.plan == "auto":
+        cfg = replace(cfg, parallel=replace(cfg.parallel, plan=_auto_plan(cfg, topo)))
+    try:
+        Plan.parse(cfg.parallel.plan).resolve(topo)
+    except PlanError as err:
+        raise CliError(f"plan {cfg.parallel.plan!r} does not fit topology {topo.sizes}: {err}") from None
+    try:
+        tokens = data_mod.load(cfg.data)
+        tokens.check_fits(cfg.model.block_size)
+    except data_mod.DataError as err:
+        raise CliError(str(err)) from None
+    if tokens.vocab_size > cfg.model.vocab_size:
+        raise CliError(f"{tokens.description} has token ids up to {tokens.vocab_size - 1}: "
+                       f"set model.vocab_size = {tokens.vocab_size} in the config")
+    return cfg
+
+
+def _auto_plan(cfg, topo) -> str:
+    """The planner's pick for this machine: its memory per rank, links of 10 GB/s inside a node, 1 GB/s between.
+
+    The bandwidths are an assumption (emulated nodes share one machine); give --plan to choose yourself.
+    """
+    try:
+        from .. import cost
+
+        auto_plan, Cluster, Tier, Job = cost.auto_plan, cost.Cluster, cost.Tier, cost.Job
+    except (ImportError, AttributeError):
+        raise CliError("--plan auto needs the planner (tiershard.cost.auto_plan), which this install lacks: "
+                       "give a plan such as IIG or zero3") from None
+    import torch
+
+    from ..models import GPT
+
+    if torch.cuda.is_available():
+        memory, flops = torch.cuda.get_device_properties(0).total_memory, 1e14
+    else:
+        memory, flops = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / topo.world_size, 5e10
+    bandwidths = [10e9] * (len(topo.sizes) - 1) + [1e9]
+    cluster = Cluster(tiers=tuple(Tier(name=n, size=s, bandwidth=b)
+                                  for n, s, b in zip(topo.names, topo.sizes, bandwidths)),
+                      gpu_memory=memory, peak_flops=flops, name="this machine")
+    width = 2 if cfg.train.precision == "bf16" else 4
+    job = Job(micro_batch=cfg.train.batch, seq=cfg.model.block_size, accum=cfg.train.accum,
+              param_bytes=width, reduce_bytes=width, recompute=False)
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    try:
+        return str(auto_plan(model, cluster, job))
+    except ValueError as err:  # NoPlanFits and friends
+        raise CliError(f"--plan auto: {err}") from None
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    """Set environment variables for the ranks to inherit, and put the old values back."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _launch(cfg, topo) -> int:
+    from ..train_config import to_toml
+
+    out = Path(cfg.train.out)
+    out.mkdir(parents=True, exist_ok=True)
+    resolved = (out / "config.toml").resolve()
+    resolved.write_text("# the resolved config of this run: `tiershard train --config` on it repeats the run\n"
+                        + to_toml(cfg.to_dict()), encoding="utf-8")
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    # static rendezvous on a free port: the c10d one spends seconds in event logging on every state change
+    launch_args = torchrun.get_args_parser().parse_args([
+        "--nnodes", "1", "--nproc-per-node", str(topo.world_size), "--max-restarts", "0",
+        "--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        "--module", "tiershard.cli", "train", "--config", str(resolved)])
+    env = {"TIERSHARD_TOPOLOGY": ",".join(map(str, topo.sizes)), "TIERSHARD_LAUNCHED": "1",
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    try:
+        with _env(**env):
+            torchrun.run(launch_args)
+    except ChildFailedError as err:
+        _, failure = err.get_first_failure()
+        raise CliError(f"rank {failure.local_rank} exited with code {failure.exitcode}; "
+                       "its error is printed above") from None
+    except KeyboardInterrupt:
+        print("tiershard train: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_rank(cfg) -> int:
+    """One rank under torchrun: user errors the launcher could not catch become one line from rank 0."""
+    from .. import data as data_mod
+    from .. import trainer
+    from ..plan import PlanError
+    from ..topology import TopologyError
+
+    try:
+        trainer.train(cfg)
+    except (PlanError, TopologyError, data_mod.DataError) as err:
+        if os.environ.get("RANK") == "0":
+            raise CliError(str(err)) from None
+        return 2
+    if os.environ.get("TIERSHARD_LAUNCHED") == "1":
+        # Ranks this command started have written and closed everything; skipping the interpreter's teardown
+        # of torch saves seconds per run (the launcher waits for every rank to exit).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 0

@@ -1,0 +1,188 @@
+"""The per-rank training loop of ``tiershard train``: shard the GPT, step, evaluate, report.
+
+Every rank runs ``train(cfg)`` inside an initialised (or initialisable, from torchrun's environment) process
+group. Rank 0 prints progress and writes ``metrics.jsonl``, the plot and the model. Reported bytes are cluster
+totals: each rank's ``ts.comm_stats()`` for the step, summed over ranks with one all-reduce that also averages
+the loss (that all-reduce is bookkeeping and not itself counted).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import tiershard as ts
+
+from . import data as data_mod
+from .models import GPT, Block, lm_loss
+from .progress import MetricsLog, Progress, human_bytes, human_count, plot_run, read_metrics
+from .train_config import JobConfig
+
+
+def lr_at(step: int, cfg) -> float:
+    """Linear warmup over ``cfg.warmup`` steps, then a cosine from ``lr`` down to ``min_lr`` at the last step."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    span = max(cfg.steps - 1 - cfg.warmup, 1)
+    progress = min((step - cfg.warmup) / span, 1.0)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def pick_device(backend: str) -> tuple[str, torch.device]:
+    """``auto``: NCCL when every local rank can have its own GPU, else gloo on the CPU."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if backend == "auto":
+        enough = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+        backend = "nccl" if enough else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        return backend, torch.device("cuda", local_rank)
+    return backend, torch.device("cpu")
+
+
+def train(cfg: JobConfig) -> dict:
+    """Run the job on this rank; returns the summary (on every rank; only rank 0's has the paths filled)."""
+    backend, device = pick_device(cfg.parallel.backend)
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group(backend)
+    try:
+        return _train(cfg, device)
+    finally:
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(cfg: JobConfig, device: torch.device) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tc = cfg.train
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    topo = ts.Topology.from_env()  # TIERSHARD_TOPOLOGY (the launcher sets it to emulate nodes), else torchrun's
+    tokens = data_mod.load(cfg.data)
+    tokens.check_fits(cfg.model.block_size)
+    if tokens.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"{tokens.description} has token ids up to {tokens.vocab_size - 1}, beyond "
+                         f"model.vocab_size={cfg.model.vocab_size}: set model.vocab_size = {tokens.vocab_size}")
+
+    torch.manual_seed(tc.seed)
+    model = GPT(cfg.model).to(device)
+    n_params = model.num_params()
+    param_dtype = torch.bfloat16 if tc.precision == "bf16" else None
+    model = ts.shard(model, cfg.parallel.plan, topo, wrap={Block}, param_dtype=param_dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
+
+    out = Path(tc.out)
+    lead = rank == 0
+    progress = Progress(tc.steps, tc.log_interval) if lead else None
+    metrics = MetricsLog(out / "metrics.jsonl") if lead else None
+    if lead:
+        progress.message(
+            f"training GPT '{cfg.preset}' ({human_count(n_params)} params) on {tokens.description}\n"
+            f"  plan {cfg.parallel.plan} over {topo.names} = {topo.sizes}, {world} ranks, {dist.get_backend()}, "
+            f"{tc.precision}; global batch {tc.batch * tc.accum * world} x {cfg.model.block_size} tokens\n"
+            f"  bytes are per step, summed over all ranks, by tier: "
+            f"{topo.names[0]} = inside a node, {topo.names[-1]} = between nodes")
+
+    seq, step_tokens = cfg.model.block_size, tc.batch * tc.accum * world * cfg.model.block_size
+    val_sets = data_mod.val_batches(tokens.val, seq, tc.batch, rank, world, tc.eval_batches)
+    timed_tokens, timed_seconds, last_val = 0, 0.0, None
+    try:
+        for step in range(tc.steps):
+            t0 = time.perf_counter()
+            lr = lr_at(step, tc)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            ts.reset_comm_stats()
+            loss_sum = 0.0
+            for micro in range(tc.accum):
+                x, y = data_mod.train_batch(tokens.train, seq, tc.batch, rank, world, tc.seed, step, micro)
+                boundary = micro == tc.accum - 1
+                with nullcontext() if boundary else ts.no_sync(model):
+                    loss = lm_loss(model(x.to(device)), y.to(device))
+                    (loss / tc.accum).backward()
+                loss_sum += loss.item()
+            norm = ts.clip_grad_norm_(model, tc.clip if tc.clip > 0 else math.inf)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            tiers = ts.comm_stats()["tiers"]
+            vec = torch.tensor([loss_sum / tc.accum] + [float(tiers.get(n, 0)) for n in topo.names],
+                               dtype=torch.float64, device=device)
+            dist.all_reduce(vec)
+            dt = time.perf_counter() - t0
+            if step > 0:  # the first step pays for lazy set-up; throughput leaves it out
+                timed_tokens, timed_seconds = timed_tokens + step_tokens, timed_seconds + dt
+            if lead:
+                rec = {"kind": "train", "step": step, "loss": vec[0].item() / world, "lr": lr,
+                       "grad_norm": float(norm), "tokens_per_s": step_tokens / dt, "seconds": dt,
+                       "bytes": {n: int(b) for n, b in zip(topo.names, vec[1:].tolist())}}
+                metrics.write(rec)
+                progress.update(rec)
+            if (step + 1) % tc.eval_interval == 0 or step + 1 == tc.steps:
+                last_val = evaluate(model, val_sets, device)
+                if lead:
+                    metrics.write({"kind": "val", "step": step, "val_loss": last_val})
+                    progress.message(f"  validation loss {last_val:.4f} at step {step + 1}")
+        saved = None
+        if tc.save:
+            state = ts.full_state_dict(model)
+            if lead:
+                saved = out / "model.pt"
+                torch.save({"model": cfg.model.to_dict(), "state_dict": state}, saved)
+    finally:
+        if metrics is not None:
+            metrics.close()
+    summary = {"steps": tc.steps, "val_loss": last_val, "params": n_params,
+               "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else None}
+    if lead:
+        records = read_metrics(out / "metrics.jsonl")
+        summary.update(_finish(records, out, cfg, topo, saved, progress, summary))
+    dist.barrier()
+    return summary
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches, device: torch.device) -> float:
+    """Mean validation loss over every rank's share of the fixed validation batches."""
+    model.eval()
+    try:
+        total = torch.zeros(2, dtype=torch.float64, device=device)
+        for x, y in batches:
+            total[0] += lm_loss(model(x.to(device)), y.to(device)).item()
+            total[1] += 1
+        dist.all_reduce(total)
+        return (total[0] / total[1]).item()
+    finally:
+        model.train()
+
+
+def _finish(records: list[dict], out: Path, cfg: JobConfig, topo: ts.Topology, saved: Path | None,
+            progress: Progress, summary: dict) -> dict:
+    """Plot and print the summary; returns the paths and the final train loss."""
+    train = [r for r in records if r["kind"] == "train"]
+    tail = train[-min(10, len(train)):]
+    final = sum(r["loss"] for r in tail) / len(tail)
+    plot = plot_run(records, out / "train.png",
+                    title=f"GPT '{cfg.preset}', plan {cfg.parallel.plan}, topology {topo.sizes}")
+    per_step = {n: sum(r["bytes"][n] for r in train) / len(train) for n in topo.names}
+    elapsed = sum(r["seconds"] for r in train)
+    tps = summary["tokens_per_s"]
+    lines = [
+        f"done: {len(train)} steps in {elapsed:.0f} s; loss {train[0]['loss']:.3f} -> {final:.3f} "
+        f"(mean of the last {len(tail)} steps), validation loss {summary['val_loss']:.3f}",
+        f"  {human_count(tps) if tps else '-'} tokens/s; bytes per step, all ranks: "
+        + ", ".join(f"{n} {human_bytes(b)}" for n, b in per_step.items()),
+        f"  metrics {out / 'metrics.jsonl'}",
+        f"  plot    {plot}",
+    ]
+    if saved:
+        lines.append(f"  model   {saved}")
+    progress.message("\n".join(lines))
+    return {"final_loss": final, "first_loss": train[0]["loss"], "plot": str(plot),
+            "metrics": str(out / "metrics.jsonl"), "model": str(saved) if saved else None,
+            "bytes_per_step": per_step}
