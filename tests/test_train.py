@@ -182,3 +182,28 @@ def test_bad_input_is_one_line(tmp_path, args, match):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and match in lines[0], proc.stderr
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+# ---- plan auto ----------------------------------------------------------------------------------
+def _tiny_cfg(**parallel):
+    return JobConfig.from_dict({"model": {"preset": "tiny"}, "data": {"max_bytes": 20_000},
+                                "parallel": parallel})
+
+
+def test_plan_auto_is_resolved_before_launch():
+    from tiershard.plan import Plan
+    from tiershard.topology import Topology
+
+    pytest.importorskip("tiershard.cost")
+    cfg = train_cli.check(_tiny_cfg(plan="auto"), Topology((2, 4)))
+    assert cfg.parallel.plan != "auto"
+    Plan.parse(cfg.parallel.plan).resolve(Topology((2, 4)))
+
+
+def test_plan_auto_without_the_planner_is_a_clear_error(monkeypatch):
+    from tiershard.cli import CliError
+    from tiershard.topology import Topology
+
+    monkeypatch.setitem(sys.modules, "tiershard.cost", None)  # import fails as if the module were absent
+    with pytest.raises(CliError, match="needs the planner"):
+        train_cli.check(_tiny_cfg(plan="auto"), Topology((2, 4)))

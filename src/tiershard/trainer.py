@@ -24,6 +24,10 @@ from .progress import MetricsLog, Progress, human_bytes, human_count, plot_run, 
 from .train_config import JobConfig
 
 
+class SetupError(ValueError):
+    """A job this machine or this data cannot run (no GPU for NCCL, token ids beyond the vocabulary)."""
+
+
 def lr_at(step: int, cfg) -> float:
     """Linear warmup over ``cfg.warmup`` steps, then a cosine from ``lr`` down to ``min_lr`` at the last step."""
     if step < cfg.warmup:
@@ -41,6 +45,10 @@ def pick_device(backend: str) -> tuple[str, torch.device]:
         enough = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
         backend = "nccl" if enough else "gloo"
     if backend == "nccl":
+        if not torch.cuda.is_available() or torch.cuda.device_count() < local_world:
+            raise SetupError(f"backend nccl needs a GPU for each of the {local_world} local ranks, but "
+                             f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} GPU(s) are "
+                             "visible: use --backend gloo or auto")
         torch.cuda.set_device(local_rank)
         return backend, torch.device("cuda", local_rank)
     return backend, torch.device("cpu")
@@ -67,7 +75,7 @@ def _train(cfg: JobConfig, device: torch.device) -> dict:
     tokens = data_mod.load(cfg.data)
     tokens.check_fits(cfg.model.block_size)
     if tokens.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"{tokens.description} has token ids up to {tokens.vocab_size - 1}, beyond "
+        raise SetupError(f"{tokens.description} has token ids up to {tokens.vocab_size - 1}, beyond "
                          f"model.vocab_size={cfg.model.vocab_size}: set model.vocab_size = {tokens.vocab_size}")
 
     torch.manual_seed(tc.seed)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
 import socket
 import sys
@@ -116,8 +117,16 @@ def check(cfg, topo):
     from .. import data as data_mod
     from ..plan import Plan, PlanError
 
+    if cfg.parallel.backend == "nccl":
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < topo.world_size:
+            raise CliError(f"--backend nccl needs a GPU for each of the {topo.world_size} ranks, but {gpus} are "
+                           "visible: use --backend gloo or auto")
     if cfg.parallel.plan == "auto":
         cfg = replace(cfg, parallel=replace(cfg.parallel, plan=_auto_plan(cfg, topo)))
+        print(f"plan auto: the planner chose {cfg.parallel.plan} for {topo.sizes}", flush=True)
     try:
         Plan.parse(cfg.parallel.plan).resolve(topo)
     except PlanError as err:
@@ -139,8 +148,7 @@ def _auto_plan(cfg, topo) -> str:
     The bandwidths are an assumption (emulated nodes share one machine); give --plan to choose yourself.
     """
     try:
-        from .. import cost
-
+        cost = importlib.import_module("tiershard.cost")
         auto_plan, Cluster, Tier, Job = cost.auto_plan, cost.Cluster, cost.Tier, cost.Job
     except (ImportError, AttributeError):
         raise CliError("--plan auto needs the planner (tiershard.cost.auto_plan), which this install lacks: "
@@ -229,7 +237,7 @@ def _run_rank(cfg) -> int:
 
     try:
         trainer.train(cfg)
-    except (PlanError, TopologyError, data_mod.DataError) as err:
+    except (PlanError, TopologyError, data_mod.DataError, trainer.SetupError) as err:
         if os.environ.get("RANK") == "0":
             raise CliError(str(err)) from None
         return 2
