@@ -10,12 +10,12 @@ import json
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 
 from tiershard.cli import train as train_cli
+from tiershard.cli.train import tomllib
 from tiershard.progress import Progress, plot_run, read_metrics
 from tiershard.train_config import JobConfig, TrainConfig, to_toml
 from tiershard.trainer import lr_at
