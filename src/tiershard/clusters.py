@@ -138,7 +138,7 @@ def cluster_from_dict(table: Mapping[str, object], base: Cluster | None = None) 
         raise ValueError("the cluster needs tiers: give preset = '...' or [[cluster.tiers]] tables")
     memory = table.pop("gpu_memory", None)
     flops = table.pop("peak_flops", None)
-    name = str(table.pop("name", base.name if base else "custom"))
+    name = str(table.pop("name", base.name if base and tiers is base.tiers else "custom"))
     for ignored in ("gpus", "measured", "probe"):
         table.pop(ignored, None)
     if table:

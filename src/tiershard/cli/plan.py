@@ -14,7 +14,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from .. import clusters
-from ..cost import Cluster, Estimate, Job, ModelSpec, NoPlanFits, rank_plans
+from ..cost import MODELS, Cluster, Estimate, Job, ModelSpec, coerce_model, no_plan_fits, rank_plans
 from ..plan import PlanError
 from ..topology import TopologyError
 from . import CliError
@@ -31,7 +31,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("plan", help="rank plans by predicted step time for a model on a cluster",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model")
-    m.add_argument("--model", help=f"a name ({', '.join(clusters_models())}) or a parameter count like 1.3e9 (default 7b)")
+    m.add_argument("--model", help=f"a name ({', '.join(MODELS)}) or a parameter count like 1.3e9 (default 7b)")
     m.add_argument("--trainable", type=float, metavar="FRACTION", help="fraction of parameters trained (default 1)")
     m.add_argument("--layers", type=int)
     m.add_argument("--hidden", type=int)
@@ -79,11 +79,6 @@ def one_line_errors(parser: argparse.ArgumentParser) -> None:
     parser._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?[A-Za-zµ/]*$")
 
 
-def clusters_models() -> list[str]:
-    from ..cost import MODELS
-    return list(MODELS)
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         model, cluster, job = build(args)
@@ -92,11 +87,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, PlanError, TopologyError) as err:
         raise CliError(str(err)) from None
     if not ranked or not ranked[0].fits:
-        smallest = min(ranked, key=lambda e: e.memory.total)
-        raise CliError(NoPlanFits(
-            f"{model.label} does not fit in {cluster.gpu_memory / 1e9:.1f} GB per device on {cluster.world_size} "
-            f"devices under any plan; the smallest, {smallest.plan}, needs {smallest.memory.total / 1e9:.1f} GB: "
-            "add devices, lower --micro-batch or --seq, or use --recompute"))
+        raise CliError(str(no_plan_fits(model, cluster, ranked)))
     top = args.top if args.top is not None else (0 if args.json else 10)
     shown = ranked[:top] if top > 0 else ranked
     if args.json:
@@ -128,20 +119,17 @@ def build(args: argparse.Namespace) -> tuple[ModelSpec, Cluster, Job]:
 
 def build_model(args: argparse.Namespace, table: dict) -> ModelSpec:
     table = dict(table)
-    name = args.model or table.pop("name", None) or table.pop("params", None) or "7b"
+    name = args.model or table.get("name") or table.get("params") or "7b"
     table.pop("name", None), table.pop("params", None)
-    try:
-        model = ModelSpec.from_params(float(name)) if _is_number(name) else ModelSpec.named(str(name))
-    except ValueError:
-        raise
     layers = args.layers or table.pop("layers", None)
     hidden = args.hidden or table.pop("hidden", None)
     vocab = args.vocab or table.pop("vocab", None)
     fraction = args.trainable if args.trainable is not None else table.pop("trainable", None)
     if table:
         raise ValueError(f"unknown [model] keys: {', '.join(sorted(table))}")
-    if _is_number(name) and (layers or hidden):
-        model = ModelSpec.from_params(float(name), layers=layers, hidden=hidden)
+    model = coerce_model(name)
+    if not model.name and (layers or hidden):       # a bare parameter count: reshape around the given sizes
+        model = ModelSpec.from_params(model.params, layers=layers, hidden=hidden)
     else:
         model = replace(model, **{k: v for k, v in (("layers", layers), ("hidden", hidden)) if v})
     if vocab:
@@ -194,14 +182,6 @@ def build_job(args: argparse.Namespace, table: dict) -> Job:
         if value is not None:
             values[key] = value
     return Job(**values)
-
-
-def _is_number(value: object) -> bool:
-    try:
-        float(value)  # type: ignore[arg-type]
-        return True
-    except (TypeError, ValueError):
-        return False
 
 
 # ---- output -------------------------------------------------------------------------------------

@@ -19,9 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Iterable
-
-from ..comm.codecs import BlockCodec, codec_from_spec
 from ..comm.volume import rank_bytes
 from ..plan import Placement
 from ..runtime.flat import padded_numel
@@ -38,7 +35,7 @@ class Priced:
 
     collective: Collective
     tier_bytes: dict[str, int]
-    rank_bytes: dict[str, float]
+    per_rank: dict[str, float]        # mean bytes one rank sends on each tier
     seconds: float
 
     @property
@@ -61,47 +58,13 @@ def unit_shapes(model: ModelSpec, job: Job, world: int) -> list[tuple[FlatGroupS
 
 
 def plan_collectives(pl: Placement, model: ModelSpec, job: Job) -> list[Collective]:
-    """Every collective of one optimizer step, as ``traffic.group_collectives`` lists them."""
+    """Every collective of one optimizer step, as ``traffic.group_collectives`` lists them (with the qwz / qgz
+    wire formats: int8 gathers, per-tier int4 all-to-all hops)."""
     out: list[Collective] = []
     for shape, units in unit_shapes(model, job, pl.topology.world_size):
         for c in group_collectives(pl, shape, job.param_bytes, job.reduce_bytes, job.accum):
             out.append(replace(c, count=c.count * units))
-    return _quantized(out, pl, job)
-
-
-def _quantized(collectives: Iterable[Collective], pl: Placement, job: Job) -> list[Collective]:
-    """The qwZ / qgZ wire formats, applied here until ``traffic`` carries them itself.
-
-    qwz: every parameter gather for compute (primary and hpz) carries each rank's shard as int8 payload plus
-    one fp32 scale per block (``comm.codecs``); the after-step parameter sync stays in working precision.
-    qgz: a gradient reduce-scatter from level a to b becomes one all-to-all per tier in between (innermost
-    first), each over that tier's cross group, of the rank's current partial sum quantized chunk by chunk.
-    """
-    plan = pl.plan
-    wcodec = codec_from_spec(plan.qwz) if plan.qwz else None
-    gcodec = codec_from_spec(plan.qgz.removesuffix("+ef")) if plan.qgz else None
-    d = pl.size
-    out: list[Collective] = []
-    for c in collectives:
-        k = d(c.outer) // d(c.inner)
-        if wcodec and c.kind == "all_gather" and c.op.startswith("param_gather"):
-            out.append(replace(c, nbytes=_quantized_bytes(wcodec, c.nbytes // job.param_bytes, k)))
-        elif gcodec and c.kind == "reduce_scatter" and c.op.startswith("grad"):
-            numel = c.nbytes // job.reduce_bytes
-            for level in range(c.inner + 1, c.outer + 1):
-                hop = d(level) // d(level - 1)
-                if hop > 1:
-                    part = numel * d(c.inner) // d(level - 1)
-                    out.append(Collective(c.op, "all_to_all", level - 1, level,
-                                          _quantized_bytes(gcodec, part, hop), c.count))
-        else:
-            out.append(c)
     return out
-
-
-def _quantized_bytes(codec: BlockCodec, numel: int, k: int) -> int:
-    """Bytes of a ``numel``-element buffer sent as ``k`` separately encoded chunks (payload + scales)."""
-    return k * codec.wire_bytes(numel // k)
 
 
 @lru_cache(maxsize=4096)

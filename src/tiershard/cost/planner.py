@@ -100,7 +100,7 @@ def evaluate(plan: Plan | str, model: ModelSpec, cluster: Cluster, job: Job) -> 
     for p in priced:
         for tier, b in p.tier_bytes.items():
             tier_bytes[tier] = tier_bytes.get(tier, 0) + b
-        for tier, b in p.rank_bytes.items():
+        for tier, b in p.per_rank.items():
             tier_seconds[tier] += b / bandwidth[tier]
     sizes = (1, *(t.size for t in cluster.tiers))
     return Estimate(
@@ -168,7 +168,7 @@ def why(e: Estimate, best: Estimate, outer: str) -> str:
     if not e.fits:
         return f"does not fit: {e.memory.total / gb:.1f} GB > {e.capacity / gb:.1f} GB usable"
     if e is best:
-        return "fastest that fits" if best.fits else "best"
+        return "fastest that fits"
     mine, theirs = _order(e), _order(best)
     if mine[1] == theirs[1]:
         for index, what in ((2, "more quantization"), (3, "more inter-node bytes"), (4, "more memory")):
@@ -198,9 +198,10 @@ def coerce_model(model: object) -> ModelSpec:
         return model
     if isinstance(model, str):
         try:
-            return ModelSpec.from_params(float(model))
+            count = float(model)
         except ValueError:
             return ModelSpec.named(model)
+        return ModelSpec.from_params(count)
     if isinstance(model, (int, float)) and not isinstance(model, bool):
         return ModelSpec.from_params(float(model))
     try:
@@ -222,9 +223,14 @@ def auto_plan(model: object, cluster: Cluster, job: Job | None = None, *,
     spec = coerce_model(model)
     ranked = rank_plans(spec, cluster, job or Job(), candidates)
     if not ranked or not ranked[0].fits:
-        smallest = min(ranked, key=lambda e: e.memory.total) if ranked else None
-        need = f"; the smallest, {smallest.plan}, needs {smallest.memory.total / 1e9:.1f} GB" if smallest else ""
-        raise NoPlanFits(
-            f"{spec.label} does not fit in {cluster.gpu_memory / 1e9:.1f} GB per device on {cluster.world_size} "
-            f"devices under any plan{need}: add devices, lower the micro-batch or sequence length, or turn on recompute")
+        raise no_plan_fits(spec, cluster, ranked)
     return ranked[0].plan
+
+
+def no_plan_fits(model: ModelSpec, cluster: Cluster, ranked: Sequence[Estimate]) -> NoPlanFits:
+    """The error for a model that fits under none of ``ranked``, naming the smallest plan's need."""
+    smallest = min(ranked, key=lambda e: e.memory.total) if ranked else None
+    need = f"; the smallest, {smallest.plan}, needs {smallest.memory.total / 1e9:.1f} GB" if smallest else ""
+    return NoPlanFits(
+        f"{model.label} does not fit in {cluster.gpu_memory / 1e9:.1f} GB per device on {cluster.world_size} "
+        f"devices under any plan{need}: add devices, lower the micro-batch or sequence length, or turn on recompute")
