@@ -60,3 +60,14 @@ def batches(seed: int, steps: int, micro: int, world: int, per_rank: int = 2, se
 def loss_fn(model, tokens, micro: int):
     logits = model(tokens[:, :-1])
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)) / micro
+
+
+def pattern_batches(seed: int, steps: int, world: int, per_rank: int = 4, seq: int = 8, vocab: int = 37):
+    """Learnable tokens: arithmetic progressions mod vocab with a random start and stride 1..3."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        start = torch.randint(0, vocab, (world * per_rank, 1), generator=g)
+        stride = torch.randint(1, 4, (world * per_rank, 1), generator=g)
+        out.append((start + stride * torch.arange(seq + 1)) % vocab)
+    return out

@@ -6,6 +6,7 @@ stays fast. Oracles:
   relative (max abs difference over max abs value) of single-process training on the concatenated batch.
 - AdamW: relative L2 error over all parameters within 1e-3. Adam turns round-off in exactly-zero gradients
   (the key bias of attention has one) into lr-sized steps, so a per-tensor bound would test round-off.
+- hpZ without quantization: parameters equal plain ZeRO-3's (GGG) within 1e-6.
 - ``comm_stats`` over one optimizer step equals ``traffic.rank_traffic`` of the plan, exactly, on every tier
   and every op; model-state bytes equal the placement's formula.
 """
@@ -91,11 +92,16 @@ def sweep(rank, world, sizes, codes, bf16_codes):
 
     topo = ts.Topology(sizes)
     refs = {name: reference(world, name) for name in ("sgd", "adamw")}
-    out = {}
+    out, zero3 = {}, {}
     for code in codes:
         for opt_name in ("sgd", "adamw"):
             res = train_sharded(rank, world, code, topo, opt_name, measure=opt_name == "adamw")
             ref, state = refs[opt_name], res.pop("state")
+            if code == "GGG":
+                zero3[opt_name] = state
+            if code.startswith("GGG+hpz"):
+                res["vs_zero3"] = max(((state[k] - zero3[opt_name][k]).abs().max() / ref[k].abs().max()).item()
+                                      for k in ref)
             assert state.keys() == ref.keys(), (code, sorted(state.keys() ^ ref.keys()))
             per_tensor = max(((state[k] - ref[k]).abs().max() / ref[k].abs().max()).item() for k in ref)
             num = sum(((state[k] - ref[k]) ** 2).sum() for k in ref) ** 0.5
@@ -120,6 +126,9 @@ def check(results, codes, bf16_codes):
                 failures.append(f"{code} AdamW rank {rank}: {adam['rel_l2']:.2e}")
             if adam["stats"] != adam["predicted"]:
                 failures.append(f"{code} rank {rank}: comm_stats {adam['stats']} != formula {adam['predicted']}")
+            for r in (sgd, adam):
+                if r.get("vs_zero3", 0) > 1e-6:
+                    failures.append(f"{code} rank {rank}: {r['vs_zero3']:.2e} away from ZeRO-3")
             measured, formula = adam["memory"]
             if measured != formula:
                 failures.append(f"{code} rank {rank}: memory {measured} != formula {formula}")
@@ -130,12 +139,13 @@ def check(results, codes, bf16_codes):
     assert not failures, "\n".join(failures[:20])
 
 
-ALL = [a + b + c for a in "NIG" for b in "NIG" for c in "NIG"]
+ALL = [a + b + c for a in "NIG" for b in "NIG" for c in "NIG"]   # GGG comes before every +hpz plan
 
 
 def test_all_plans_on_2_nodes_of_2():
     bf16 = ["GGG", "IIG", "NNN"]
-    check(run_ranks(sweep, 4, (2, 4), ALL, bf16), ALL, bf16)
+    codes = ALL + ["GGG+hpz"]
+    check(run_ranks(sweep, 4, (2, 4), codes, bf16), codes, bf16)
 
 
 def test_all_plans_on_4_nodes_of_2():
@@ -144,5 +154,5 @@ def test_all_plans_on_4_nodes_of_2():
 
 def test_all_plans_on_pairs_nodes_world():
     codes = ALL + ["p=pair,g=pair,os=world", "p=pair,g=node,os=world", "p=N,g=pair,os=node",
-                   "p=world,g=pair,os=N"]
+                   "p=world,g=pair,os=N", "GGG+hpz=pair/node", "GGG+hpz=pair", "p=node,g=G,os=G+hpz=pair"]
     check(run_ranks(sweep, 8, (2, 4, 8), codes, []), codes, [])

@@ -16,6 +16,10 @@ level ``L`` and top = world:
                          g = os: all-reduce over (g -> top) of S/d(g)
                          g > os: all-reduce over (g -> top) of S/d(g), then all-gather over (os -> g)
     after the step       p < os: all-gather over (p -> os) of S/d(p) x param bytes
+
+With qwz every parameter gather moves the int8 encodings of the d(p) chunks (payload plus fp32 scales) instead
+of param bytes. With qgz every reduce-scatter from level a to b becomes one all-to-all per tier between them
+(see [Note: qgZ hops] in comm/quantized.py), each of the encodings of its input's slots.
 """
 from __future__ import annotations
 
@@ -57,10 +61,21 @@ def group_collectives(pl: "Placement", shape: FlatGroupShape, param_bytes: int, 
     top = pl.topology.num_levels - 1
     S, d = shape.numel, pl.size
     out: list[Collective] = []
+    qwz, qgz = _codecs(pl)
+
+    def reduce_scatter(op: str, inner: int, outer: int, buffer_bytes: int, count: int = 1) -> list[Collective]:
+        if qgz is None:
+            return [Collective(op, "reduce_scatter", inner, outer, buffer_bytes, count)]
+        hops = []
+        for k in range(inner + 1, outer + 1):
+            slots = d(k) // d(k - 1)
+            hops.append(Collective(op, "all_to_all", k - 1, k, slots * qgz.wire_bytes(S // d(k)), count))
+        return hops
+
     if pl.p > 0:
         fwd = shape.forward_calls * micro_steps
         bwd = micro_steps if shape.backward else 0
-        full = S * param_bytes
+        full = S * param_bytes if qwz is None else d(pl.p) * qwz.wire_bytes(S // d(pl.p))
         if pl.hpz:
             cached = min(pl.hpz)
             out.append(Collective("param_gather", "all_gather", 0, pl.p, full, 1))
@@ -72,10 +87,10 @@ def group_collectives(pl: "Placement", shape: FlatGroupShape, param_bytes: int, 
     if not shape.trainable:
         return out
     if pl.g > 0:
-        out.append(Collective("grad_reduce", "reduce_scatter", 0, pl.g, S * reduce_bytes, micro_steps))
+        out += reduce_scatter("grad_reduce", 0, pl.g, S * reduce_bytes, micro_steps)
     shard_g = S // d(pl.g) * reduce_bytes
     if pl.g < pl.os:
-        out.append(Collective("grad_sync", "reduce_scatter", pl.g, pl.os, shard_g))
+        out += reduce_scatter("grad_sync", pl.g, pl.os, shard_g)
         out.append(Collective("grad_sync", "all_reduce", pl.os, top, S // d(pl.os) * reduce_bytes))
     else:
         out.append(Collective("grad_sync", "all_reduce", pl.g, top, shard_g))
@@ -84,6 +99,15 @@ def group_collectives(pl: "Placement", shape: FlatGroupShape, param_bytes: int, 
     if pl.p < pl.os:
         out.append(Collective("param_sync", "all_gather", pl.p, pl.os, S // d(pl.p) * param_bytes))
     return [c for c in out if c.count > 0 and pl.size(c.outer) > pl.size(c.inner)]
+
+
+def _codecs(pl: "Placement"):
+    from .comm.codecs import codec_from_spec
+
+    plan = pl.plan
+    qwz = codec_from_spec(plan.qwz) if plan.qwz else None
+    qgz = codec_from_spec(plan.qgz.removesuffix("+ef")) if plan.qgz else None
+    return qwz, qgz
 
 
 def step_collectives(pl: "Placement", shapes: Iterable[FlatGroupShape], param_bytes: int = 4,

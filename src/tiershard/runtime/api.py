@@ -36,7 +36,7 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
     if isinstance(plan, str):
         plan = Plan.parse(plan)
     placement = plan.resolve(topology)
-    unsupported = [name for name in ("qwz", "qgz", "cc") if getattr(plan, name)]
+    unsupported = [name for name in ("cc",) if getattr(plan, name)]
     if unsupported:
         raise PlanError(f"plan option(s) {', '.join(unsupported)} are not available in this engine yet: "
                         f"drop them from {plan}")

@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 
 from ..comm import collectives as C
+from ..comm.codecs import codec_from_spec
+from ..comm.quantized import QuantizedGather, QuantizedReduceScatter
 
 if TYPE_CHECKING:
     from ..plan import Placement
@@ -66,7 +68,13 @@ class FlatGroup:
             self.full = torch.empty(self.S, dtype=param_dtype, requires_grad=trainable)
         self.full_alias = torch.empty(0, dtype=param_dtype).set_(self.full.untyped_storage(), 0, (self.S,))
         self.grad_acc = torch.zeros(self.S // self.size(placement.g)) if trainable else None
-        self.hpz: dict[int, tuple[int, torch.Tensor]] = {}
+        # hpz level -> (weights version, exact values) or, under qwz, (version, (payload, scales)) as received
+        self.hpz: dict[int, tuple[int, object]] = {}
+        plan = placement.plan
+        self.qwz = QuantizedGather(codec_from_spec(plan.qwz)) if plan.qwz else None
+        self.qgz = QuantizedReduceScatter(codec_from_spec(plan.qgz.removesuffix("+ef")),
+                                          plan.qgz.endswith("+ef")) if plan.qgz else None
+        self._encoded = None   # the last qwz gather's encodings, kept until release builds the hpz shards
         self.synced_version = self.master._version
         self.gathered = placement.p == 0
         self.gathered_version = self.synced_version
@@ -125,7 +133,14 @@ class FlatGroup:
                 if cached is not None and cached[0] == self.synced_version:
                     level, source = h, cached[1]
                     break
-            C.all_gather(self.full_alias, source, self.group(0, level), self.topo, op)
+            group = self.group(0, level)
+            if self.qwz is None:
+                C.all_gather(self.full_alias, source, group, self.topo, op)
+            else:
+                chunks, numel = self.size(pl.p), self.S // self.size(pl.p)
+                payload, scales = self.qwz.encode(source) if level == pl.p else source
+                self._encoded = self.qwz.gather(payload, scales, group, chunks, numel, self.topo, op)
+                self.qwz.decode(*self._encoded, chunks, numel, out=self.full_alias)
         self.gathered = True
         self.gathered_version = self.synced_version
 
@@ -137,9 +152,22 @@ class FlatGroup:
         if self.gathered:
             for h in self.pl.hpz:
                 if self.hpz.get(h, (None,))[0] != self.gathered_version:
-                    self.hpz[h] = (self.gathered_version, self._chunk(self.full_alias, h).clone())
+                    self.hpz[h] = (self.gathered_version, self._hpz_shard(h))
+        self._encoded = None
         self.full.untyped_storage().resize_(0)
         self.gathered = False
+
+    def _hpz_shard(self, level: int):
+        """This rank's level-``level`` shard of the gathered weights: exact values, or under qwz the encodings
+        exactly as received (never re-quantized from a dequantized copy)."""
+        if self.qwz is None:
+            return self._chunk(self.full_alias, level).clone()
+        payload_all, scales_all = self._encoded
+        ratio = self.size(self.pl.p) // self.size(level)
+        index = self.topo.chunk_index(self.rank, level)
+        P, s = (len(t) // self.size(self.pl.p) for t in (payload_all, scales_all))
+        return (payload_all[index * ratio * P:(index + 1) * ratio * P].clone(),
+                scales_all[index * ratio * s:(index + 1) * ratio * s].clone())
 
     def views(self) -> list[torch.Tensor]:
         """One tensor per original parameter, on ``full``; autograd carries their gradients into ``full.grad``."""
@@ -156,9 +184,16 @@ class FlatGroup:
         if pl.g == 0:
             self.grad_acc += local
             return
-        out = torch.empty(self.S // self.size(pl.g), dtype=self.reduce_dtype)
-        C.reduce_scatter(out, local, self.group(0, pl.g), self.topo, "grad_reduce")
-        self.grad_acc += out
+        self.grad_acc += self._reduce_scatter(local, 0, pl.g, "grad_reduce")
+
+    def _reduce_scatter(self, buf: torch.Tensor, inner: int, outer: int, op: str) -> torch.Tensor:
+        """Sum over the (inner -> outer) group, keeping this rank's level-``outer`` chunk; qgz goes tier by tier."""
+        if self.qgz is not None:
+            hops = [self.group(k - 1, k) for k in range(inner + 1, outer + 1)]
+            return self.qgz(buf, hops, self.topo, op, key=(inner, outer))
+        out = torch.empty(self.S // self.size(outer), dtype=buf.dtype)
+        C.reduce_scatter(out, buf, self.group(inner, outer), self.topo, op)
+        return out
 
     @torch.no_grad()
     def sync_grads(self) -> None:
@@ -166,8 +201,7 @@ class FlatGroup:
         pl, top = self.pl, self.topo.num_levels - 1
         buf = self.grad_acc.to(self.reduce_dtype)
         if pl.g < pl.os:
-            out = torch.empty(self.S // self.size(pl.os), dtype=self.reduce_dtype)
-            C.reduce_scatter(out, buf, self.group(pl.g, pl.os), self.topo, "grad_sync")
+            out = self._reduce_scatter(buf, pl.g, pl.os, "grad_sync")
             C.all_reduce(out, self.group(pl.os, top), self.topo, "grad_sync")
         else:
             C.all_reduce(buf, self.group(pl.g, top), self.topo, "grad_sync")
