@@ -1,0 +1,80 @@
+"""Run a function on several gloo ranks of this machine and collect what each returns.
+
+For development, tests and benchmarks on CPUs: ``run_local(fn, 4, ...)`` starts 4 processes with a process group
+over loopback, calls ``fn(rank, world, ...)`` in each and returns their results by rank. ``fn`` must be
+importable (defined at module level). Real clusters use ``torchrun`` instead.
+"""
+from __future__ import annotations
+
+import os
+import queue as queue_module
+import socket
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, fn, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        queue.close()
+        queue.join_thread()        # the result is in the pipe before teardown can crash or hang
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_local(fn, world: int, *args, timeout: float = 600) -> list:
+    """``fn(rank, world, *args)`` on ``world`` processes; returns the results by rank, raises the first error."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world and not errors:
+            try:
+                rank, status, value = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                silent = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
+                if silent:
+                    time.sleep(1.0)   # a result may still be in flight
+                    if queue.empty():
+                        codes = {r: procs[r].exitcode for r in silent}
+                        errors.append(f"ranks {silent} exited without a result (exit codes {codes})")
+                elif time.monotonic() > deadline:
+                    errors.append(f"no result from ranks {sorted(set(range(world)) - results.keys())} "
+                                  f"after {timeout:.0f} s")
+                continue
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 30)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError(errors[0])
+    return [results[r] for r in range(world)]
