@@ -1,13 +1,12 @@
 """ZeRO++ in the engine: qwZ, qgZ and hpZ against exact ZeRO-3, and the cross-node volume they promise."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from _dist import run_ranks
+from tiershard.measure import cross_node_volume
 from _models import Block, TinyGPT, batches, loss_fn, pattern_batches
 
 PLANS = ["GGG", "GGG+qwz", "GGG+qgz", "zero++"]
@@ -87,20 +86,11 @@ def test_error_feedback_cancels_quantization_error_over_repeated_reductions():
     assert errors["GGG+qgz=int4+ef"] < errors["GGG+qgz"] / 3, errors
 
 
-def _benchmark():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "zeropp_volume.py"
-    spec = importlib.util.spec_from_file_location("zeropp_volume", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_cross_node_volume_zero3_vs_zeropp():
-    """The benchmark's numbers: cross-node bytes per step / nodes / M, measured by comm_stats, equal the closed
+    """benchmarks/zeropp_volume.py's numbers: cross-node bytes per step / nodes / M, measured by comm_stats, equal the closed
     form; ZeRO-3 is exactly 3 (n-1)/n, zero++ at most 0.8 (M = parameters x 2 bytes, bf16)."""
-    bench = _benchmark()
     for world in (4, 8):
-        res = run_ranks(bench.cross_node_volume, world, ["zero3", "zero++"])[0]
+        res = run_ranks(cross_node_volume, world, ["zero3", "zero++"])[0]
         measured, closed = res["zero3"]
         assert measured == closed == 3 * (world - 1) / world, res
         measured, closed = res["zero++"]
