@@ -155,7 +155,9 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], st
         raise KeyError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
                        f"{' ...' if len(missing) > 5 or len(unexpected) > 5 else ''}")
     for group in engine.groups():
-        values = group.full_master().clone()
+        complete = all(any(n in state for n in slot.names) for slot in group.slots)
+        # only a partial load needs the current values of the slots it leaves alone
+        values = torch.zeros(group.numel) if complete else group.full_master().clone()
         for slot in group.slots:
             name = next((n for n in slot.names if n in state), None)
             if name is None:
