@@ -106,3 +106,32 @@ def test_topology_that_does_not_match_the_world():
 def test_error_feedback_only_for_gradients():
     with pytest.raises(ts.PlanError, match="error feedback"):
         ts.Plan(qwz="int8+ef")
+
+
+def _load_cases(rank, world):
+    torch.manual_seed(0)
+    model = ts.shard(TinyGPT(), "GGG", ts.Topology((2, world)), wrap={Block})
+    before = ts.full_state_dict(model)
+    new = {k: v + 1 for k, v in before.items()}
+    out = {}
+    partial = {k: v for k, v in new.items() if k != "ln_f.weight"}
+    for strict, state, key in ((True, partial, "missing"), (True, {**new, "ln_f.weight": torch.ones(3)}, "shape")):
+        try:
+            ts.load_full_state_dict(model, state, strict=strict)
+            out[key] = None
+        except (KeyError, ValueError) as err:
+            out[key] = str(err)
+    out["untouched"] = all(torch.equal(v, before[k]) for k, v in ts.full_state_dict(model).items())
+    ts.load_full_state_dict(model, partial, strict=False)
+    after = ts.full_state_dict(model)
+    out["partial_ok"] = torch.equal(after["ln_f.weight"], before["ln_f.weight"]) and all(
+        torch.equal(after[k], new[k]) for k in partial)
+    return out
+
+
+def test_load_full_state_dict_errors_and_partial_load():
+    for res in run_ranks(_load_cases, 2):
+        assert "missing ['ln_f.weight']" in res["missing"], res
+        assert "ln_f.weight: shape (3,)" in res["shape"], res
+        assert res["untouched"], "a rejected state dict must leave the model as it was"
+        assert res["partial_ok"], res

@@ -154,6 +154,11 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], st
     if strict and (missing or unexpected):
         raise KeyError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
                        f"{' ...' if len(missing) > 5 or len(unexpected) > 5 else ''}")
+    for _, slot in _unit_state_names(engine):      # check everything before writing anything
+        for name in slot.names:
+            if name in state and tuple(state[name].shape) != tuple(slot.shape):
+                raise ValueError(f"{name}: shape {tuple(state[name].shape)} in the state dict, "
+                                 f"{tuple(slot.shape)} in the model; nothing was loaded")
     for group in engine.groups():
         complete = all(any(n in state for n in slot.names) for slot in group.slots)
         # only a partial load needs the current values of the slots it leaves alone
@@ -163,8 +168,6 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], st
             if name is None:
                 continue
             tensor = state[name]
-            if tuple(tensor.shape) != tuple(slot.shape):
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} in the state dict, {tuple(slot.shape)} in the model")
             values[slot.offset:slot.offset + slot.numel] = tensor.detach().reshape(-1).to(torch.float32)
         group.load_full(values)
     buffers = dict(_persistent_buffers(model))
