@@ -6,7 +6,8 @@ stays fast. Oracles:
   relative (max abs difference over max abs value) of single-process training on the concatenated batch.
 - AdamW: relative L2 error over all parameters within 1e-3. Adam turns round-off in exactly-zero gradients
   (the key bias of attention has one) into lr-sized steps, so a per-tensor bound would test round-off.
-- hpZ without quantization: parameters equal plain ZeRO-3's (GGG) within 1e-6.
+- hpZ without quantization: parameters equal plain ZeRO-3's (GGG) within 1e-6; ``+cc`` plans (one phase per
+  tier) are held to the same bounds as the flat ones.
 - ``comm_stats`` over one optimizer step equals ``traffic.rank_traffic`` of the plan, exactly, on every tier
   and every op, and summed over ranks equals the cost model's prediction for the same module (``tiershard
   cost``), also for the ZeRO++ options (whose accuracy tests/test_zeropp.py checks); model-state bytes equal
@@ -174,7 +175,8 @@ ALL = [a + b + c for a in "NIG" for b in "NIG" for c in "NIG"]   # GGG comes bef
 
 def test_all_plans_on_2_nodes_of_2():
     bf16 = ["GGG", "IIG", "NNN"]
-    codes = ALL + ["GGG+hpz", "zero++", "GGG+qwz", "IIG+qgz", "NIG+qgz=int4+ef", "III+qwz+qgz"]
+    codes = ALL + ["GGG+hpz", "GGG+cc", "NNN+cc", "NIG+cc", "GGN+cc",
+                   "zero++", "GGG+qwz", "IIG+qgz", "NIG+qgz=int4+ef", "III+qwz+qgz", "GGG+qwz+cc"]
     check(run_ranks(sweep, 4, (2, 4), codes, bf16), codes, bf16, (2, 4))
 
 
@@ -186,5 +188,5 @@ def test_all_plans_on_4_nodes_of_2():
 def test_all_plans_on_pairs_nodes_world():
     codes = ALL + ["p=pair,g=pair,os=world", "p=pair,g=node,os=world", "p=N,g=pair,os=node",
                    "p=world,g=pair,os=N", "GGG+hpz=pair/node", "GGG+hpz=pair", "p=node,g=G,os=G+hpz=pair",
-                   "GGG+hpz=pair/node+qwz+qgz", "p=node,g=pair,os=world+qgz"]
+                   "GGG+hpz=pair/node+qwz+qgz", "p=node,g=pair,os=world+qgz", "GGG+cc", "p=N,g=pair,os=world+cc"]
     check(run_ranks(sweep, 8, (2, 4, 8), codes, []), codes, [], (2, 4, 8))

@@ -19,7 +19,9 @@ level ``L`` and top = world:
 
 With qwz every parameter gather moves the int8 encodings of the d(p) chunks (payload plus fp32 scales) instead
 of param bytes. With qgz every reduce-scatter from level a to b becomes one all-to-all per tier between them
-(see [Note: qgZ hops] in comm/quantized.py), each of the encodings of its input's slots.
+(see [Note: qgZ hops] in comm/quantized.py), each of the encodings of its input's slots. With cc every other
+collective that spans several tiers runs as one phase per tier (comm/hierarchical.py): a reduce-scatter
+innermost tier first, an all-gather outermost first, an all-reduce both.
 """
 from __future__ import annotations
 
@@ -98,7 +100,23 @@ def group_collectives(pl: "Placement", shape: FlatGroupShape, param_bytes: int, 
             out.append(Collective("grad_sync", "all_gather", pl.os, pl.g, S // d(pl.os) * reduce_bytes))
     if pl.p < pl.os:
         out.append(Collective("param_sync", "all_gather", pl.p, pl.os, S // d(pl.p) * param_bytes))
+    if pl.plan.cc:
+        quantized_gathers = {"param_gather", "param_gather_backward"} if qwz is not None else set()
+        out = [hop for c in out for hop in
+               ([c] if c.op in quantized_gathers or c.kind == "all_to_all" else _phases(c, d))]
     return [c for c in out if c.count > 0 and pl.size(c.outer) > pl.size(c.inner)]
+
+
+def _phases(c: Collective, d) -> list[Collective]:
+    """One collective per tier between ``c.inner`` and ``c.outer`` (PaRO-CC); bytes at each phase's level."""
+    if c.outer - c.inner <= 1 or c.kind not in ("all_gather", "reduce_scatter", "all_reduce"):
+        return [c]
+    def at(k: int) -> int:
+        return c.nbytes * d(c.inner) // d(k)
+    kinds = {"all_gather": ["all_gather"], "reduce_scatter": ["reduce_scatter"],
+             "all_reduce": ["reduce_scatter", "all_gather"]}[c.kind]
+    return [Collective(c.op, kind, k - 1, k, at(k - 1), c.count)
+            for kind in kinds for k in range(c.inner + 1, c.outer + 1)]
 
 
 def _codecs(pl: "Placement"):

@@ -9,11 +9,11 @@ ranks' links of that tier (what multi-channel rings do with one NIC per GPU or a
 tiers' links run at once, so a collective takes the slowest tier's share:
 
     time = max over tiers (bytes per rank on the tier / tier bandwidth) + latency
-    latency, flat ring:          steps x (k - 1) x the largest latency of the tiers it crosses
-    latency, hierarchical (cc):  steps x sum over tiers (k_t - 1) x that tier's latency
+    latency:  steps x (k - 1) x the largest latency of the tiers it crosses
     steps = 2 for all-reduce, else 1; all-to-all: (k - 1) pairwise steps over its tier
 
-So PaRO-CC changes latency only; it moves the same bytes on the same tiers in this model.
+PaRO-CC needs no case of its own: ``traffic`` already splits a plan's multi-tier collectives into one phase per
+tier, so each phase pays its own tier's latency and the inter-node phase moves 1/m of the data.
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def _per_link(topology: Topology, kind: str, inner: int, outer: int, nbytes: int
     return sum(rank_bytes(kind, ranks, nbytes, ranks[0], topology).values()) // per_sender
 
 
-def price(c: Collective, cluster: Cluster, cc: bool) -> Priced:
+def price(c: Collective, cluster: Cluster) -> Priced:
     """Bytes on each tier (all ranks, all ``c.count`` repeats) and seconds of ``c`` on ``cluster``."""
     topo = cluster.topology
     k, links, _ = _links(topo, c.kind, c.inner, c.outer)
@@ -101,14 +101,9 @@ def price(c: Collective, cluster: Cluster, cc: bool) -> Priced:
     tiers = {t.name: t for t in cluster.tiers}
     bw_time = max(b / tiers[t].bandwidth for t, b in per_rank.items())
     steps = 2 if c.kind == "all_reduce" else 1
-    if cc and c.kind != "all_to_all":
-        sizes = [topo.level_size(level) for level in range(c.inner, c.outer + 1)]
-        names = [topo.level_name(level) for level in range(c.inner + 1, c.outer + 1)]
-        latency = steps * sum((b // a - 1) * tiers[n].latency for a, b, n in zip(sizes, sizes[1:], names))
-    else:
-        latency = steps * (k - 1) * max(tiers[t].latency for t, _ in links)
+    latency = steps * (k - 1) * max(tiers[t].latency for t, _ in links)
     return Priced(c, tier_bytes, {t: b * c.count for t, b in per_rank.items()}, c.count * (bw_time + latency))
 
 
 def price_plan(pl: Placement, model: ModelSpec, job: Job, cluster: Cluster) -> list[Priced]:
-    return [price(c, cluster, pl.plan.cc) for c in plan_collectives(pl, model, job)]
+    return [price(c, cluster) for c in plan_collectives(pl, model, job)]

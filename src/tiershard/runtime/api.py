@@ -36,10 +36,6 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
     if isinstance(plan, str):
         plan = Plan.parse(plan)
     placement = plan.resolve(topology)
-    unsupported = [name for name in ("cc",) if getattr(plan, name)]
-    if unsupported:
-        raise PlanError(f"plan option(s) {', '.join(unsupported)} are not available in this engine yet: "
-                        f"drop them from {plan}")
     topology.init_process_groups()
     param_dtype = param_dtype or torch.float32
     reduce_dtype = reduce_dtype or param_dtype

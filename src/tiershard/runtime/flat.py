@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import collectives as C
+from ..comm import hierarchical as H
 from ..comm.codecs import codec_from_spec
 from ..comm.quantized import QuantizedGather, QuantizedReduceScatter
 
@@ -75,6 +76,7 @@ class FlatGroup:
         self.qgz = QuantizedReduceScatter(codec_from_spec(plan.qgz.removesuffix("+ef")),
                                           plan.qgz.endswith("+ef")) if plan.qgz else None
         self._encoded = None   # the last qwz gather's encodings, kept until release builds the hpz shards
+        self.cc = plan.cc
         self.synced_version = self.master._version
         self.gathered = placement.p == 0
         self.gathered_version = self.synced_version
@@ -108,7 +110,7 @@ class FlatGroup:
         pl = self.pl
         src = self.master.detach().to(self.param_dtype)
         if pl.p < pl.os:
-            C.all_gather(self.p_shard, src, self.group(pl.p, pl.os), self.topo, "param_sync")
+            self._all_gather(self.p_shard, src, pl.p, pl.os, "param_sync")
         else:
             start, end = self.chunk_range(pl.p)
             base, _ = self.chunk_range(pl.os)
@@ -135,7 +137,7 @@ class FlatGroup:
                     break
             group = self.group(0, level)
             if self.qwz is None:
-                C.all_gather(self.full_alias, source, group, self.topo, op)
+                self._all_gather(self.full_alias, source, 0, level, op)
             else:
                 chunks, numel = self.size(pl.p), self.S // self.size(pl.p)
                 payload, scales = self.qwz.encode(source) if level == pl.p else source
@@ -191,9 +193,27 @@ class FlatGroup:
         if self.qgz is not None:
             hops = [self.group(k - 1, k) for k in range(inner + 1, outer + 1)]
             return self.qgz(buf, hops, self.topo, op, key=(inner, outer))
+        if self.cc:
+            return H.reduce_scatter(buf, inner, outer, self._hop, self.topo, op)
         out = torch.empty(self.S // self.size(outer), dtype=buf.dtype)
         C.reduce_scatter(out, buf, self.group(inner, outer), self.topo, op)
         return out
+
+    # ---- collectives between two levels: one flat ring, or one phase per tier with cc (PaRO-CC) ---------
+    def _hop(self, k: int):
+        return self.group(k - 1, k)
+
+    def _all_gather(self, out: torch.Tensor, shard: torch.Tensor, inner: int, outer: int, op: str) -> None:
+        if self.cc:
+            H.all_gather(out, shard, inner, outer, self._hop, self.topo, op)
+        else:
+            C.all_gather(out, shard, self.group(inner, outer), self.topo, op)
+
+    def _all_reduce(self, buf: torch.Tensor, inner: int, outer: int, op: str) -> None:
+        if self.cc:
+            H.all_reduce(buf, inner, outer, self._hop, self.topo, op)
+        else:
+            C.all_reduce(buf, self.group(inner, outer), self.topo, op)
 
     @torch.no_grad()
     def sync_grads(self) -> None:
@@ -202,13 +222,13 @@ class FlatGroup:
         buf = self.grad_acc.to(self.reduce_dtype)
         if pl.g < pl.os:
             out = self._reduce_scatter(buf, pl.g, pl.os, "grad_sync")
-            C.all_reduce(out, self.group(pl.os, top), self.topo, "grad_sync")
+            self._all_reduce(out, pl.os, top, "grad_sync")
         else:
-            C.all_reduce(buf, self.group(pl.g, top), self.topo, "grad_sync")
+            self._all_reduce(buf, pl.g, top, "grad_sync")
             out = buf
             if pl.g > pl.os:
                 out = torch.empty(self.S // self.size(pl.os), dtype=self.reduce_dtype)
-                C.all_gather(out, buf, self.group(pl.os, pl.g), self.topo, "grad_sync")
+                self._all_gather(out, buf, pl.os, pl.g, "grad_sync")
         out = out.to(torch.float32)
         if out.data_ptr() == self.grad_acc.data_ptr():
             out = out.clone()
