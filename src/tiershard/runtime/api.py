@@ -121,8 +121,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     return total
 
 
-def _unit_state_names(engine: Engine) -> list[tuple[FlatGroup, ParamSlot]]:
-    return [(group, slot) for group in engine.groups() for slot in group.slots]
+def _slots(engine: Engine) -> list[ParamSlot]:
+    return [slot for group in engine.groups() for slot in group.slots]
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -143,14 +143,14 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
     """Load full tensors (as ``full_state_dict`` gives them) on every rank; shards are cut locally."""
     engine = _engine(model)
-    expected = {name for _, slot in _unit_state_names(engine) for name in slot.names}
+    expected = {name for slot in _slots(engine) for name in slot.names}
     expected |= {name for name, _ in _persistent_buffers(model)}
     missing = sorted(expected - state.keys())
     unexpected = sorted(state.keys() - expected)
     if strict and (missing or unexpected):
         raise KeyError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
                        f"{' ...' if len(missing) > 5 or len(unexpected) > 5 else ''}")
-    for _, slot in _unit_state_names(engine):      # check everything before writing anything
+    for slot in _slots(engine):      # check everything before writing anything
         for name in slot.names:
             if name in state and tuple(state[name].shape) != tuple(slot.shape):
                 raise ValueError(f"{name}: shape {tuple(state[name].shape)} in the state dict, "

@@ -146,11 +146,6 @@ class Engine:
             if group.stale:
                 group.sync_params()
 
-    def remove_hooks(self) -> None:
-        for unit in self.units:
-            for handle in unit.handles:
-                handle.remove()
-
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
     _ENGINES[:] = [ref for ref in _ENGINES if ref() is not None]

@@ -135,13 +135,12 @@ class FlatGroup:
                 if cached is not None and cached[0] == self.synced_version:
                     level, source = h, cached[1]
                     break
-            group = self.group(0, level)
             if self.qwz is None:
                 self._all_gather(self.full_alias, source, 0, level, op)
             else:
                 chunks, numel = self.size(pl.p), self.S // self.size(pl.p)
                 payload, scales = self.qwz.encode(source) if level == pl.p else source
-                self._encoded = self.qwz.gather(payload, scales, group, chunks, numel, self.topo, op)
+                self._encoded = self.qwz.gather(payload, scales, self.group(0, level), chunks, numel, self.topo, op)
                 self.qwz.decode(*self._encoded, chunks, numel, out=self.full_alias)
         self.gathered = True
         self.gathered_version = self.synced_version
