@@ -10,6 +10,9 @@ SUBCOMMANDS = {
     "train": "train",
     "plan": "plan",
     "probe": "probe",
+    "cluster": "cluster",
+    "bench": "bench",
+    "convert": "convert",
 }
 
 
