@@ -36,8 +36,8 @@ def test_cost_bytes_equal_rank_traffic_of_the_engine_shapes(make, sizes):
     topo = cluster.topology
     spec = cost.ModelSpec.from_module(model, wrap={Block})
     job = Job(accum=2, param_bytes=4, reduce_bytes=4)
-    engine_shapes = traffic.module_shapes(model, wrap={Block}, world_size=topo.world_size)
-    ours = [shape for shape, units in cost.comm.unit_shapes(spec, job, topo.world_size) for _ in range(units)]
+    engine_shapes = traffic.module_shapes(model, wrap={Block}, fanouts=topo.fanouts())
+    ours = [shape for shape, units in cost.comm.unit_shapes(spec, job, topo.fanouts()) for _ in range(units)]
     assert sorted(ours, key=repr) == sorted(engine_shapes, key=repr)
     for code in ["NNN", "NNG", "GGG", "IIG", "NIG", "ING", "IGG", "GGG+hpz", "III+cc"]:
         pl = ts.Plan.parse(code).resolve(topo)

@@ -11,9 +11,11 @@ stays fast. Oracles:
 - ``comm_stats`` over one optimizer step equals ``traffic.rank_traffic`` of the plan, exactly, on every tier
   and every op, and summed over ranks equals the cost model's prediction for the same module (``tiershard
   cost``), also for the ZeRO++ options (whose accuracy tests/test_zeropp.py checks); model-state bytes equal
-  the placement's formula.
+  the placement's formula, with masters and optimizer states sized by DTensor's own sharding rule.
 """
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -47,6 +49,7 @@ def reference(world, opt_name):
 def train_sharded(rank, world, plan, topo, opt_name, param_dtype=None, measure=False):
     import tiershard as ts
     from tiershard import traffic
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     torch.manual_seed(0)
     model = ts.shard(TinyGPT(), plan, topo, wrap={Block}, param_dtype=param_dtype)
@@ -83,10 +86,15 @@ def train_sharded(rank, world, plan, topo, opt_name, param_dtype=None, measure=F
         pl = engine.placement
         formula = {"params": 0, "grads": 0, "masters": 0, "optimizer": 0}
         for g in engine.groups():
-            formula["params"] += g.S // pl.size(pl.p) * esize
+            # working weights: the padded level-p band (all parameters, exactly, when replicated); gradients:
+            # the padded level-g band in fp32; masters and optimizer states: this rank's DTensor shards, sized
+            # by torch's own sharding rule
+            formula["params"] += (g.S // pl.size(pl.p) if pl.p else sum(m.numel() for m in g.masters)) * esize
             formula["grads"] += g.S // pl.size(pl.g) * 4
-            formula["masters"] += g.S // pl.size(pl.os) * 4
-            formula["optimizer"] += g.S // pl.size(pl.os) * 4 * (2 if opt_name == "adamw" else 1)
+            for m in g.masters:
+                local, _ = compute_local_shape_and_global_offset(m.shape, m.device_mesh, m.placements)
+                formula["masters"] += math.prod(local) * 4
+                formula["optimizer"] += math.prod(local) * 4 * (2 if opt_name == "adamw" else 1)
         result["memory"] = ({k: mem[k] for k in formula}, formula)
     result["state"] = ts.full_state_dict(model)
     return result

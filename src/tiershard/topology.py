@@ -72,6 +72,7 @@ class Topology:
         self.names = names
         self._groups: dict[tuple[int, int, int], TierGroup] = {}
         self._initialised = False
+        self._mesh = None
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -183,10 +184,34 @@ class Topology:
         slots = tuple(self.chunk_index(r, outer) % ratio for r in ranks)
         return TierGroup(ranks, slots, pg)
 
+    def fanouts(self) -> tuple[int, ...]:
+        """How many groups of the tier below each tier holds: (2, 4, 16) -> (2, 2, 4)."""
+        return tuple(size // inner for inner, size in zip((1, *self.sizes), self.sizes))
+
+    def placements(self, level: int) -> tuple:
+        """DTensor placements of a state at ``level`` over ``mesh``: Shard(0) on the tiers below it.
+
+        Nested ``Shard(0)`` on mesh dims ordered innermost tier first chunk dim 0 innermost tier first, which is
+        the ownership map: a rank's DTensor shard at level ``k`` is its level-``k`` chunk.
+        """
+        from torch.distributed.tensor import Replicate, Shard
+
+        return tuple(Shard(0) if dim < level else Replicate() for dim in range(len(self.sizes)))
+
+    @property
+    def mesh(self):
+        """The DeviceMesh whose dims are the tiers, innermost first (made by ``init_process_groups``)."""
+        if self._mesh is None:
+            raise TopologyError("the topology has no device mesh yet: ts.shard (or init_process_groups) makes it")
+        return self._mesh
+
     # ---- process groups -----------------------------------------------------------------------
-    def init_process_groups(self) -> None:
-        """Create every group this topology can need, once, in the same order on every rank."""
+    def init_process_groups(self, device_type: str = "cpu") -> None:
+        """Create every group this topology can need, and its DeviceMesh, once, in the same order on every rank."""
         if self._initialised:
+            if self._mesh.device_type != device_type:
+                raise TopologyError(f"{self} was set up for {self._mesh.device_type} tensors, not {device_type}: "
+                                    "use one Topology object per device type")
             return
         if not dist.is_initialized():
             raise TopologyError(
@@ -217,7 +242,17 @@ class Topology:
                     pg = made[ranks]
                     if me in ranks:
                         self._groups[(inner, outer, me)] = self._make_group(me, inner, outer, pg)
+        self._mesh = self._make_mesh(device_type)
         self._initialised = True
+
+    def _make_mesh(self, device_type: str):
+        from torch.distributed.device_mesh import DeviceMesh
+        import torch
+
+        # rank = c0 + s0*c1 + s1*c2 ...: the row-major grid (outermost first) transposed, innermost dim first
+        grid = torch.arange(self.world_size).view(*reversed(self.fanouts()))
+        grid = grid.permute(*reversed(range(grid.dim()))).contiguous()
+        return DeviceMesh(device_type, grid, mesh_dim_names=self.names)
 
     @property
     def rank(self) -> int:

@@ -153,21 +153,21 @@ def total_traffic(collectives: Sequence[Collective], topology: "Topology") -> di
     return total
 
 
-def module_shapes(model, wrap=None, world_size: int = 1) -> list[FlatGroupShape]:
-    """The flat groups ``ts.shard(model, ..., wrap=wrap)`` would build on ``world_size`` ranks (no process group).
-
-    A unit is assumed to run backward when it has trainable parameters.
+def module_shapes(model, wrap=None, fanouts: Sequence[int] = (1,)) -> list[FlatGroupShape]:
+    """The flat groups ``ts.shard(model, ..., wrap=wrap)`` would build on a topology with these ``fanouts``
+    (``Topology.fanouts()``), without a process group. A unit is assumed to run backward when it has trainable
+    parameters.
     """
-    from .runtime.flat import padded_numel
+    from .runtime.layout import padded_unit_numel
     from .runtime.wrap import find_units
 
     shapes = []
     for unit in find_units(model, wrap):
-        sizes = {True: 0, False: 0}
+        groups = {True: [], False: []}
         for param, _, _ in unit.params:
-            sizes[param.requires_grad] += param.numel()
+            groups[param.requires_grad].append(tuple(param.shape))
         for trainable in (True, False):
-            if sizes[trainable]:
-                shapes.append(FlatGroupShape(padded_numel(sizes[trainable], world_size), trainable,
-                                             backward=sizes[True] > 0))
+            if groups[trainable]:
+                shapes.append(FlatGroupShape(padded_unit_numel(groups[trainable], fanouts), trainable,
+                                             backward=bool(groups[True])))
     return shapes

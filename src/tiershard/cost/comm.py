@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from ..comm.volume import rank_bytes
 from ..plan import Placement
-from ..runtime.flat import padded_numel
+from ..runtime.layout import padded_unit_numel
 from ..topology import Topology
 from ..traffic import Collective, FlatGroupShape, group_collectives
 from .specs import Cluster, Job, ModelSpec
@@ -43,17 +43,20 @@ class Priced:
         return self.collective.op.startswith(MICRO_OPS)
 
 
-def unit_shapes(model: ModelSpec, job: Job, world: int) -> list[tuple[FlatGroupShape, int]]:
+def unit_shapes(model: ModelSpec, job: Job, fanouts: tuple[int, ...]) -> list[tuple[FlatGroupShape, int]]:
     """Flat groups of the model and how many units share each shape (``traffic.module_shapes``'s convention).
 
-    A unit's trainable and frozen parameters are separate flat groups, each padded to a multiple of the world
-    size as the engine pads; a unit runs backward when it has trainable parameters.
+    A unit's trainable and frozen parameters are separate flat groups, padded per parameter as the engine pads
+    on a topology with these ``fanouts`` (``Topology.fanouts()``); parameter shapes are exact for a spec made
+    ``from_module`` and one flat tensor per group otherwise. A unit runs backward when it has trainable
+    parameters.
     """
     out: list[tuple[FlatGroupShape, int]] = []
-    for trainable, frozen, units in model.unit_sizes():
-        for numel, grad in ((trainable, True), (frozen, False)):
-            if numel:
-                out.append((FlatGroupShape(padded_numel(numel, world), grad, backward=trainable > 0), units))
+    for trainable, frozen, units in model.unit_param_shapes():
+        for shapes, grad in ((trainable, True), (frozen, False)):
+            if shapes:
+                out.append((FlatGroupShape(padded_unit_numel(shapes, fanouts), grad, backward=bool(trainable)),
+                            units))
     return out
 
 
@@ -61,7 +64,7 @@ def plan_collectives(pl: Placement, model: ModelSpec, job: Job) -> list[Collecti
     """Every collective of one optimizer step, as ``traffic.group_collectives`` lists them (with the qwz / qgz
     wire formats: int8 gathers, per-tier int4 all-to-all hops)."""
     out: list[Collective] = []
-    for shape, units in unit_shapes(model, job, pl.topology.world_size):
+    for shape, units in unit_shapes(model, job, pl.topology.fanouts()):
         for c in group_collectives(pl, shape, job.param_bytes, job.reduce_bytes, job.accum):
             out.append(replace(c, count=c.count * units))
     return out

@@ -47,6 +47,7 @@ class ModelSpec:
     vocab: int = 32000
     name: str = ""
     units: tuple[tuple[int, int], ...] = ()
+    param_shapes: tuple = ()   # per unit: (trainable shapes, frozen shapes), when known (``from_module``)
 
     def __post_init__(self) -> None:
         _positive_int(self, "params", "layers", "hidden", "vocab")
@@ -89,10 +90,23 @@ class ModelSpec:
                 out.append((trainable, numel - trainable, n))
         return out
 
+    def unit_param_shapes(self) -> list[tuple[tuple, tuple, int]]:
+        """(trainable parameter shapes, frozen parameter shapes, how many units) per distinct unit; without
+        exact shapes each group counts as one flat parameter."""
+        counts: dict[tuple, int] = {}
+        if self.param_shapes:
+            for unit in self.param_shapes:
+                counts[unit] = counts.get(unit, 0) + 1
+        else:
+            for trainable, frozen, n in self.unit_sizes():
+                key = (((trainable,),) if trainable else (), ((frozen,),) if frozen else ())
+                counts[key] = counts.get(key, 0) + n
+        return [(t, f, n) for (t, f), n in counts.items()]
+
     def with_trainable(self, fraction: float) -> "ModelSpec":
         if not 0 < fraction <= 1:
             raise ValueError(f"trainable fraction {fraction!r} must be in (0, 1], e.g. 1 for full training, 0.003 for LoRA")
-        return replace(self, trainable=max(1, round(self.params * fraction)), units=())
+        return replace(self, trainable=max(1, round(self.params * fraction)), units=(), param_shapes=())
 
     @classmethod
     def named(cls, name: str) -> "ModelSpec":
@@ -127,13 +141,16 @@ class ModelSpec:
 
         from ..runtime.wrap import find_units
 
-        units = []
+        units, shapes = [], []
         for unit in find_units(module, wrap):
             sizes = {True: 0, False: 0}
+            groups: dict[bool, list] = {True: [], False: []}
             for param, _, _ in unit.params:
                 sizes[param.requires_grad] += param.numel()
+                groups[param.requires_grad].append(tuple(param.shape))
             if sizes[True] or sizes[False]:
                 units.append((sizes[True], sizes[False]))
+                shapes.append((tuple(groups[True]), tuple(groups[False])))
         params = sum(t + f for t, f in units)
         trainable = sum(t for t, _ in units)
         if params == 0 or trainable == 0:
@@ -147,7 +164,8 @@ class ModelSpec:
         if vocab is None:
             vocab = max((e.num_embeddings for e in embeds), default=1)
         return cls(params=params, trainable=trainable, layers=layers or max(lists, default=1),
-                   hidden=hidden, vocab=vocab, name=type(module).__name__, units=tuple(units))
+                   hidden=hidden, vocab=vocab, name=type(module).__name__, units=tuple(units),
+                   param_shapes=tuple(shapes))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,18 +2,19 @@
 from __future__ import annotations
 
 import contextlib
-import math
+from collections import Counter
 from typing import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
-from ..comm import collectives as C
-from ..plan import Plan, PlanError
+from ..plan import Plan
 from ..topology import Topology, TopologyError
 from .engine import Engine, Unit
-from .flat import FlatGroup, ParamSlot
+from .flat import FlatGroup
+from .layout import ParamLayout, finest_chunks
 from .wrap import WrapPolicy, find_units
 
 __all__ = ["shard", "no_sync", "clip_grad_norm_", "full_state_dict", "load_full_state_dict", "memory_stats"]
@@ -23,10 +24,11 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
           param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> nn.Module:
     """Shard ``model`` in place by ``plan`` over ``topology`` and return it.
 
-    ``wrap``: module classes or a predicate; each matching module is a unit (gathered and released as one),
-    the root takes the rest. ``param_dtype``: compute and gather precision; ``reduce_dtype``: gradient
-    reduction precision (defaults to ``param_dtype``). Masters and optimizer states are always fp32.
-    Every rank starts from rank 0's weights.
+    ``wrap``: module classes, class names or a predicate; each matching module is a unit (gathered and released
+    as one), the root takes the rest. ``param_dtype``: compute and gather precision (default: the parameters'
+    own dtype); ``reduce_dtype``: gradient reduction precision (default ``param_dtype``). Masters and optimizer
+    states are fp32 DTensors with the parameters' names and shapes. Every rank starts from rank 0's weights
+    and buffers. The model's device decides where every buffer lives.
     """
     if not dist.is_initialized():
         raise TopologyError("torch.distributed is not initialised: call torch.distributed.init_process_group() "
@@ -36,46 +38,90 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
     if isinstance(plan, str):
         plan = Plan.parse(plan)
     placement = plan.resolve(topology)
-    topology.init_process_groups()
-    param_dtype = param_dtype or torch.float32
+    specs = find_units(model, wrap)
+    params = [entry for spec in specs for entry in spec.params]
+    device = _device_of(model)
+    param_dtype = param_dtype or _common_dtype(params)
     reduce_dtype = reduce_dtype or param_dtype
     for dtype, what in ((param_dtype, "param_dtype"), (reduce_dtype, "reduce_dtype")):
         if not dtype.is_floating_point:
             raise ValueError(f"{what}={dtype} must be a floating dtype such as torch.bfloat16")
+    topology.init_process_groups(device.type)
+    _check_same_everywhere(params)
+    _broadcast_buffers(model)
 
-    engine = Engine(model, placement, param_dtype, reduce_dtype)
-    for spec in find_units(model, wrap):
+    fanouts = topology.fanouts()
+    engine = Engine(model, placement, param_dtype, reduce_dtype, device)
+    for spec in specs:
         groups = []
         for trainable in (True, False):
             owned = [entry for entry in spec.params if entry[0].requires_grad == trainable]
             if owned:
-                groups.append(_build_group(owned, placement, trainable, param_dtype, reduce_dtype))
-        for i, group in enumerate(groups):
-            spec.module.register_parameter(f"_tiershard_flat{i}", group.master)
-        engine.units.append(Unit(spec.path, spec.module, groups, engine))
+                layouts = [ParamLayout(uses, names, p.shape, finest_chunks(p.shape[0], fanouts))
+                           for p, uses, names in owned]
+                values = _broadcast_values([p for p, _, _ in owned], device)
+                groups.append(FlatGroup(layouts, values, placement, trainable, param_dtype, reduce_dtype, device))
+        unit = Unit(spec.path, spec.module, groups, engine)
+        unit.release()          # the module shows the masters from now on
+        engine.units.append(unit)
     model._tiershard = engine
     return model
 
 
-def _build_group(owned, placement, trainable, param_dtype, reduce_dtype) -> FlatGroup:
-    slots, values, offset = [], [], 0
-    for param, uses, names in owned:
-        if not param.is_floating_point():
-            raise ValueError(f"parameter {names[0]} has dtype {param.dtype}; only floating parameters can be sharded")
-        slots.append(ParamSlot(uses, names, param.shape, offset, param.numel()))
-        values.append(param.detach().reshape(-1).to(torch.float32))
-        offset += param.numel()
-        for module, name in uses:
-            del module._parameters[name]
-    flat = torch.cat(values)
-    world = placement.topology.group_for(placement.topology.rank, 0, placement.topology.num_levels - 1)
-    C.broadcast(flat, 0, world, placement.topology, "setup")
-    group = FlatGroup(slots, flat, placement, trainable, param_dtype, reduce_dtype)
-    if placement.p == 0:   # replicated weights stay readable between steps; sharded ones exist only in use
-        for slot, view in zip(group.slots, group.views()):
-            for module, name in slot.uses:
-                setattr(module, name, view)
-    return group
+def _device_of(model: nn.Module) -> torch.device:
+    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+    if len(devices) != 1:
+        raise ValueError(f"the model's tensors are on several devices ({sorted(map(str, devices))}): move it to "
+                         "one device (model.to('cuda') or model.to('cpu')) before ts.shard")
+    device = devices.pop()
+    if device.type == "meta":
+        raise ValueError("the model is on the meta device: materialise it first (model.to_empty(device=...) and "
+                         "its own init) before ts.shard")
+    return device
+
+
+def _common_dtype(params) -> torch.dtype:
+    dtypes = Counter(p.dtype for p, _, _ in params)
+    if len(dtypes) > 1:
+        raise ValueError(f"parameters have several dtypes ({', '.join(str(d) for d in dtypes)}): pass "
+                         "param_dtype= to ts.shard to choose the working precision")
+    return next(iter(dtypes)) if dtypes else torch.float32
+
+
+def _check_same_everywhere(params) -> None:
+    """Every rank must hold the same parameters; a mismatch would otherwise surface as a hang or garbage."""
+    for p, _, names in params:
+        if not p.is_floating_point():
+            raise ValueError(f"parameter {names[0]} has dtype {p.dtype}; only floating parameters can be sharded")
+        if p.dim() == 0:
+            raise ValueError(f"parameter {names[0]} is a scalar (0-d); parameters are sharded on dim 0: give it "
+                             "shape (1,) (e.g. nn.Parameter(torch.tensor([v])))")
+    mine = [(names[0], tuple(p.shape)) for p, _, names in params]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for rank, theirs in enumerate(everyone):
+        if theirs == mine:
+            continue
+        for (name_a, shape_a), (name_b, shape_b) in zip(mine, theirs):
+            if (name_a, shape_a) != (name_b, shape_b):
+                raise ValueError(f"parameter {name_a} has shape {shape_a} on rank {dist.get_rank()} but rank "
+                                 f"{rank} has {name_b} of shape {shape_b}: every rank must build the same model")
+        raise ValueError(f"rank {dist.get_rank()} has {len(mine)} parameters, rank {rank} has {len(theirs)}: "
+                         "every rank must build the same model")
+
+
+@torch.no_grad()
+def _broadcast_buffers(model: nn.Module) -> None:
+    for buf in model.buffers():
+        dist.broadcast(buf, src=0)
+
+
+@torch.no_grad()
+def _broadcast_values(params: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Rank 0's values of ``params`` (as fp32), one broadcast for the group."""
+    flat = torch.cat([p.detach().reshape(-1).to(device=device, dtype=torch.float32) for p in params])
+    dist.broadcast(flat, src=0)
+    return [v.view(p.shape) for v, p in zip(flat.split([p.numel() for p in params]), params)]
 
 
 def _engine(model: nn.Module) -> Engine:
@@ -96,81 +142,63 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         engine.sync_grads = previous
 
 
-@torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip the masters' gradients by their global norm; returns that norm, identical on every rank."""
-    engine = _engine(model)
-    grads = [g.master.grad for g in engine.groups() if g.master.grad is not None]
-    pl, topo = engine.placement, engine.topology
-    group = topo.group_for(topo.rank, 0, pl.os)
-    if norm_type == math.inf:
-        local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros(())
-        local = local.reshape(1).clone()
-        if group.size > 1:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group.pg)
-            C._record("grad_norm", "all_reduce", group, local, topo)
-        total = local[0]
-    else:
-        local = sum((g.float().pow(norm_type).sum() for g in grads), torch.zeros(())).reshape(1)
-        C.all_reduce(local, group, topo, "grad_norm")
-        total = local[0].pow(1.0 / norm_type)
-    coef = max_norm / (total + 1e-6)
-    if coef < 1:
-        for g in grads:
-            g.mul_(coef)
-    return total
+    """``torch.nn.utils.clip_grad_norm_`` over the model's parameters, returned as a plain tensor (the global
+    norm, identical on every rank)."""
+    _engine(model)
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+    return total.full_tensor() if isinstance(total, DTensor) else total
 
 
-def _slots(engine: Engine) -> list[ParamSlot]:
-    return [slot for group in engine.groups() for slot in group.slots]
+def _units_layouts(engine: Engine):
+    for group in engine.groups():
+        for index, layout in enumerate(group.layouts):
+            yield group, index, layout
 
 
+@torch.no_grad()
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter (under each of its original names) as fp32 master values, and the persistent buffers."""
+    """Every parameter (under each of its original names) as a full fp32 tensor, and the persistent buffers."""
     engine = _engine(model)
     out: dict[str, torch.Tensor] = {}
     for group in engine.groups():
-        values = group.full_master()
-        for slot in group.slots:
-            tensor = values[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
-            for name in slot.names:
+        for layout, tensor in zip(group.layouts, group.full_values()):
+            for name in layout.names:
                 out[name] = tensor
     for name, buf in _persistent_buffers(model):
         out[name] = buf.detach().clone()
     return out
 
 
+@torch.no_grad()
 def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
     """Load full tensors (as ``full_state_dict`` gives them) on every rank; shards are cut locally."""
     engine = _engine(model)
-    expected = {name for slot in _slots(engine) for name in slot.names}
+    layouts = list(_units_layouts(engine))
+    expected = {name for _, _, layout in layouts for name in layout.names}
     expected |= {name for name, _ in _persistent_buffers(model)}
     missing = sorted(expected - state.keys())
     unexpected = sorted(state.keys() - expected)
     if strict and (missing or unexpected):
         raise KeyError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
                        f"{' ...' if len(missing) > 5 or len(unexpected) > 5 else ''}")
-    for slot in _slots(engine):      # check everything before writing anything
-        for name in slot.names:
-            if name in state and tuple(state[name].shape) != tuple(slot.shape):
+    for _, _, layout in layouts:      # check everything before writing anything
+        for name in layout.names:
+            if name in state and tuple(state[name].shape) != tuple(layout.shape):
                 raise ValueError(f"{name}: shape {tuple(state[name].shape)} in the state dict, "
-                                 f"{tuple(slot.shape)} in the model; nothing was loaded")
-    for group in engine.groups():
-        complete = all(any(n in state for n in slot.names) for slot in group.slots)
-        # only a partial load needs the current values of the slots it leaves alone
-        values = torch.zeros(group.numel) if complete else group.full_master().clone()
-        for slot in group.slots:
-            name = next((n for n in slot.names if n in state), None)
-            if name is None:
-                continue
-            tensor = state[name]
-            values[slot.offset:slot.offset + slot.numel] = tensor.detach().reshape(-1).to(torch.float32)
-        group.load_full(values)
-    buffers = dict(_persistent_buffers(model))
-    with torch.no_grad():
-        for name, buf in buffers.items():
-            if name in state:
-                buf.copy_(state[name])
+                                 f"{tuple(layout.shape)} in the model; nothing was loaded")
+    touched: list[FlatGroup] = []
+    for group, index, layout in layouts:
+        name = next((n for n in layout.names if n in state), None)
+        if name is not None:
+            group.load_full(index, state[name].to(device=engine.device, dtype=torch.float32))
+            if group not in touched:
+                touched.append(group)
+    for group in touched:
+        group.sync_params()
+    for name, buf in _persistent_buffers(model):
+        if name in state:
+            buf.copy_(state[name])
 
 
 def _persistent_buffers(model: nn.Module):
@@ -186,12 +214,15 @@ def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
     total = {"params": 0, "grads": 0, "masters": 0, "optimizer": 0, "hpz": 0}
     masters = set()
     for group in engine.groups():
-        masters.add(id(group.master))
+        masters.update(id(m) for m in group.masters)
         for key, value in group.state_bytes().items():
             total[key] += value
     if optimizer is not None:
         for param, state in optimizer.state.items():
             if id(param) in masters:
-                total["optimizer"] += sum(t.numel() * t.element_size() for t in state.values()
-                                          if isinstance(t, torch.Tensor) and t.dim() > 0)
+                for t in state.values():
+                    if isinstance(t, DTensor):
+                        t = t._local_tensor
+                    if isinstance(t, torch.Tensor) and t.dim() > 0:
+                        total["optimizer"] += t.numel() * t.element_size()
     return total

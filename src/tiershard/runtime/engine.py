@@ -1,26 +1,35 @@
 """Units and their hooks: when each flat group is gathered, released and reduced.
 
 [Note: unit lifecycle]
-    forward pre-hook    gather every group of the unit (syncing stale weights first), point the module's
-                        parameter attributes at views of ``full``
-    forward post-hook   release (unless inside backward: activation-checkpoint recompute), and hook the
-                        outputs so the unit is gathered again when their gradient arrives
-    output grad hook    gather for backward; the first one in a backward queues the end-of-backward callback
-    full.grad ready     (post-accumulate hook of ``full``) reduce to level g, at the boundary on to level os,
-                        release the group
-    end of backward     reduce zeros for trainable groups that got no gradient (so every rank runs the same
-                        collectives), release whatever is still gathered
-    optimizer.step()    a global post-step hook syncs every group whose master changed back to level p
+    forward pre-hook    gather every group of the unit (refreshing weights written in place first), point
+                        the module's parameter attributes at the working tensors; inputs that need a gradient
+                        pass through ``_PostBackward`` so the unit learns when its backward is over
+    forward post-hook   point the attributes back at the masters and release (not inside backward: that is
+                        activation-checkpoint recompute), and hook the outputs so the unit is gathered again
+                        when their gradient arrives
+    output grad hook    gather for backward and use the working tensors; the first one queues the end of
+                        backward
+    working .grad ready (post-accumulate hook of each trainable working tensor) when every one of the group's
+                        tensors has its gradient: reduce to level g, at the boundary on to level os
+    _PostBackward       the gradient of the unit's inputs is computed, so its weights are no longer needed:
+                        release, masters back in place
+    end of backward     reduce the trainable groups not reduced yet (zeros for unused ones, so every rank runs
+                        the same collectives), release everything, reset the per-backward state
+    optimizer.step()    a global post-step hook rebuilds the working copies of every group it stepped
+
+[Note: what the module shows] Between forward/backward the module's parameters are the masters (DTensors);
+inside a unit's forward and backward they are its working tensors (plain tensors of the original shapes).
 """
 from __future__ import annotations
 
+import dataclasses
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .flat import FlatGroup
 
@@ -36,51 +45,99 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Every tensor inside ``obj``: containers, mappings, dataclasses (model outputs come in all of them)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth > 16 or isinstance(obj, (str, bytes)):
+        return
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from tensors_in(value, depth + 1)
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for value in obj:
+            yield from tensors_in(value, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from tensors_in(getattr(obj, f.name, None), depth + 1)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once the unit's own backward is done."""
+
+    @staticmethod
+    def forward(ctx, unit: "Unit", *inputs: torch.Tensor):
+        ctx.unit = unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.unit.post_backward()
+        return (None, *grads)
+
+
 class Unit:
     """One wrapped module and its flat groups (trainable and frozen)."""
 
     def __init__(self, path: str, module: nn.Module, groups: list[FlatGroup], engine: "Engine"):
         self.path, self.module, self.groups = path or "<root>", module, groups
         self.engine = engine
-        self.reduced: set[int] = set()
+        self.fired = [0] * len(groups)
+        self.reduced = [False] * len(groups)
         self.handles = [module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
                         module.register_forward_hook(self._post_forward)]
-        for group in groups:
+        for index, group in enumerate(groups):
             if group.trainable:
-                self.handles.append(group.full.register_post_accumulate_grad_hook(self._make_grad_hook(group)))
+                for working in group.working:
+                    self.handles.append(working.register_post_accumulate_grad_hook(self._grad_hook(index)))
 
-    # ---- forward --------------------------------------------------------------------------------
+    # ---- what the module shows ([Note: what the module shows]) -----------------------------------
+    def _show(self, working: bool) -> None:
+        for group in self.groups:
+            tensors = group.working if working else group.masters
+            for layout, tensor in zip(group.layouts, tensors):
+                for module, name in layout.uses:
+                    module._parameters[name] = tensor
+
     def gather(self, op: str) -> None:
         for group in self.groups:
             group.gather(op)
-        for group in self.groups:
-            for slot, view in zip(group.slots, group.views()):
-                for module, name in slot.uses:
-                    setattr(module, name, view)
+        self._show(working=True)
 
+    def release(self) -> None:
+        self._show(working=False)
+        for group in self.groups:
+            group.release()
+
+    # ---- forward --------------------------------------------------------------------------------
     def _pre_forward(self, module, args, kwargs):
+        in_backward = _in_backward()
+        if not in_backward:
+            self.engine.before_forward(self)
         with torch.profiler.record_function(f"tiershard::gather[{self.path}]"):
             self.gather("param_gather")
         if self is self.engine.root and self.engine.cast_dtype is not None:
             cast = self.engine.cast_dtype
-            args, kwargs = tree_map(
-                lambda t: t.to(cast) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-                (args, kwargs))
+            args, kwargs = _map_tensors(lambda t: t.to(cast) if t.is_floating_point() else t, (args, kwargs))
+        if torch.is_grad_enabled() and not in_backward:
+            flat, spec = tree_flatten((args, kwargs))
+            needs = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if needs:
+                outs = _PostBackward.apply(self, *(flat[i] for i in needs))
+                for i, t in zip(needs, outs):
+                    flat[i] = t
+                args, kwargs = tree_unflatten(flat, spec)
         return args, kwargs
 
     def _post_forward(self, module, args, output):
         if _in_backward():
             return None
         if torch.is_grad_enabled():
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            for t in tensors:
-                t.register_hook(self._pre_backward)
+            for t in tensors_in(output):
+                if t.requires_grad:
+                    t.register_hook(self._pre_backward)
         self.release()
         return None
-
-    def release(self) -> None:
-        for group in self.groups:
-            group.release()
 
     # ---- backward -------------------------------------------------------------------------------
     def _pre_backward(self, grad):
@@ -89,29 +146,47 @@ class Unit:
             self.gather("param_gather_backward")
         return None
 
-    def _make_grad_hook(self, group: FlatGroup):
-        def hook(full: torch.Tensor) -> None:
-            grad, full.grad = full.grad, None
-            self.reduce(group, grad)
-            group.release()
+    def _grad_hook(self, index: int):
+        group = self.groups[index]
+
+        def hook(tensor: torch.Tensor) -> None:
+            self.fired[index] += 1
+            if self.fired[index] == len(group.working) and not self.reduced[index]:
+                self.reduce(index)
         return hook
 
-    def reduce(self, group: FlatGroup, grad: torch.Tensor | None) -> None:
+    def reduce(self, index: int) -> None:
+        group = self.groups[index]
         with torch.profiler.record_function(f"tiershard::reduce[{self.path}]"):
-            group.reduce_micro_step(grad)
+            group.reduce_micro_step(boundary=self.engine.sync_grads)
             if self.engine.sync_grads:
                 group.sync_grads()
-        self.reduced.add(id(group))
+        self.reduced[index] = True
+
+    def post_backward(self) -> None:
+        self.release()
+
+    def end_backward(self) -> None:
+        for index, group in enumerate(self.groups):
+            if group.trainable and not self.reduced[index]:
+                self.reduce(index)
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the state between steps: masters shown, weights released, per-backward counters cleared."""
+        self.release()
+        self.fired = [0] * len(self.groups)
+        self.reduced = [False] * len(self.groups)
 
 
 class Engine:
     """The sharding state of one model: its units, placement, precision and the backward in flight."""
 
     def __init__(self, model: nn.Module, placement: "Placement", param_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype):
+                 reduce_dtype: torch.dtype, device: torch.device):
         self.model_ref = weakref.ref(model)
         self.placement, self.topology = placement, placement.topology
-        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.param_dtype, self.reduce_dtype, self.device = param_dtype, reduce_dtype, device
         self.cast_dtype = param_dtype if param_dtype != torch.float32 else None
         self.units: list[Unit] = []
         self.sync_grads = True
@@ -123,9 +198,28 @@ class Engine:
     def root(self) -> Unit:
         return self.units[0]
 
-    def groups(self):
+    def groups(self) -> Iterator[FlatGroup]:
         for unit in self.units:
             yield from unit.groups
+
+    def before_forward(self, unit: Unit) -> None:
+        """Checks at a forward outside backward: recover from a backward that raised, refresh written weights."""
+        if self._backward_queued:       # the last backward never reached its end (an exception in it)
+            for u in self.units:
+                u.reset()
+                for group in u.groups:
+                    for w in group.working:
+                        w.grad = None
+            self._backward_queued = False
+        for group in unit.groups:
+            for layout, master in zip(group.layouts, group.masters):
+                if master.requires_grad != group.trainable:
+                    raise RuntimeError(
+                        f"{layout.name}: requires_grad changed to {master.requires_grad} after ts.shard. "
+                        "Trainable and frozen parameters are sharded as separate groups, so set requires_grad "
+                        "before calling ts.shard")
+            if group.stale:
+                group.sync_params()
 
     def backward_started(self) -> None:
         if not self._backward_queued:
@@ -134,25 +228,28 @@ class Engine:
 
     def _end_backward(self) -> None:
         for unit in self.units:
-            for group in unit.groups:
-                if group.trainable and id(group) not in unit.reduced:
-                    unit.reduce(group, None)
-            unit.reduced.clear()
-            unit.release()
+            unit.end_backward()
         self._backward_queued = False
 
-    def sync_stale(self) -> None:
+    def sync_stepped(self, stepped: set[int]) -> None:
+        """Rebuild the working copies of every group whose masters an optimizer just stepped."""
         for group in self.groups():
-            if group.stale:
+            if any(id(m) in stepped for m in group.masters):
                 group.sync_params()
+
+
+def _map_tensors(fn, tree):
+    flat, spec = tree_flatten(tree)
+    return tree_unflatten([fn(t) if isinstance(t, torch.Tensor) else t for t in flat], spec)
 
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
     _ENGINES[:] = [ref for ref in _ENGINES if ref() is not None]
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for ref in list(_ENGINES):
         engine = ref()
         if engine is not None:
-            engine.sync_stale()
+            engine.sync_stepped(stepped)
 
 
 def _install_step_hook() -> None:

@@ -1,191 +1,305 @@
-"""One flat group: the parameters of a unit that share ``requires_grad``, as padded flat buffers per state.
+"""One flat group: a unit's parameters that share ``requires_grad``, as DTensor masters and slot-major buffers.
 
-States and where they live (levels of the placement, see [Note: ownership map] in topology.py):
+States and where they live (levels of the placement; layout in [Note: slot-major layout], layout.py):
 
-    p_shard   param_dtype  level p    between uses; the forward's gather source
-    full      param_dtype  all        gathered for compute; storage freed when p is sharded and not in use
-    hpz       param_dtype  hpz levels cached shards of the last gathered weights, tagged with their version
-    grad_acc  fp32         level g    gradient accumulated between optimizer steps (trainable groups only)
-    master    fp32         level os   the nn.Parameter the optimizer sees; its ``_version`` is the weights' version
+    masters    fp32         level os   one nn.Parameter(DTensor) per original parameter: what users and
+                                       optimizers see; ``.grad`` a DTensor at level os after the boundary
+    p_shard    param_dtype  level p    flat (slots x U) band between uses; the forward's gather source
+    working    param_dtype  all        one tensor per parameter, original shape: the module's attribute in
+                                       forward and backward; storage freed after use when p is sharded
+    hpz        param_dtype  hpz levels bands of the last gathered weights (or their int8 encodings under qwz)
+    grad_acc   fp32         level g    flat band of the gradients accumulated between optimizer steps
 
-[Note: no stale copies] Every derived copy (p_shard, full, hpz) records the ``master._version`` it was made from.
-Any in-place write to a master (``optimizer.step()``, a write under ``torch.no_grad()``, ``load_full_state_dict``)
-bumps that counter, and the next use rebuilds the copies first.
+[Note: no stale copies] Every derived copy (p_shard, working, hpz, the qwz encoding) is tagged with
+``weights_version``, which only ``sync_params`` advances after rebuilding ``p_shard`` from the masters. The
+engine calls it after every optimizer step whatever kernel ran (fused and foreach kernels bump no version
+counter), and before a forward when a master's version counter shows an in-place write.
 
-[Note: gathering without bumping versions] Autograd saves views of ``full`` for backward. The gathers write
-through ``full_alias``, a tensor on the same storage with its own version counter, so refilling freed storage
+[Note: gathering without bumping versions] Autograd saves the working tensors for backward. Gathers write
+through ``aliases``, tensors on the same storage with their own version counters, so refilling freed storage
 before backward does not trip autograd's in-place check.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ..comm import collectives as C
 from ..comm import hierarchical as H
 from ..comm.codecs import codec_from_spec
 from ..comm.quantized import QuantizedGather, QuantizedReduceScatter
+from .layout import ParamLayout, plan_columns
 
 if TYPE_CHECKING:
     from ..plan import Placement
 
 
-@dataclass
-class ParamSlot:
-    """One original parameter: where it sits in the flat buffer and every (module, name) that uses it."""
-
-    uses: list[tuple[nn.Module, str]]
-    names: list[str]
-    shape: torch.Size
-    offset: int
-    numel: int
-
-
-def padded_numel(numel: int, world: int) -> int:
-    return -(-numel // world) * world
+def _alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor on ``tensor``'s storage with a version counter of its own."""
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+        tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
 
 
 class FlatGroup:
     """Storage and level-to-level moves for one group of parameters; no hooks, no schedule."""
 
-    def __init__(self, slots: list[ParamSlot], values: torch.Tensor, placement: "Placement", trainable: bool,
-                 param_dtype: torch.dtype, reduce_dtype: torch.dtype):
+    def __init__(self, layouts: Sequence[ParamLayout], values: Sequence[torch.Tensor], placement: "Placement",
+                 trainable: bool, param_dtype: torch.dtype, reduce_dtype: torch.dtype, device: torch.device):
         topo = placement.topology
-        self.slots, self.pl, self.topo, self.rank = slots, placement, topo, topo.rank
-        self.trainable = trainable
+        self.layouts, self.pl, self.topo, self.rank = list(layouts), placement, topo, topo.rank
+        self.trainable, self.device = trainable, device
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
-        self.numel = values.numel()
-        self.S = padded_numel(self.numel, topo.world_size)
-        flat = torch.zeros(self.S, dtype=torch.float32)
-        flat[: self.numel] = values
-        self.master = nn.Parameter(self._chunk(flat, placement.os).clone(), requires_grad=trainable)
-        self.p_shard = self._chunk(flat, placement.p).to(param_dtype).clone()
-        if placement.p == 0:
-            self.full = self.p_shard.requires_grad_(trainable)
-        else:
-            self.full = torch.empty(self.S, dtype=param_dtype, requires_grad=trainable)
-        self.full_alias = torch.empty(0, dtype=param_dtype).set_(self.full.untyped_storage(), 0, (self.S,))
-        self.grad_acc = torch.zeros(self.S // self.size(placement.g)) if trainable else None
-        # hpz level -> (weights version, exact values) or, under qwz, (version, (payload, scales)) as received
-        self.hpz: dict[int, tuple[int, object]] = {}
+        self.W = topo.world_size
+        self.U = plan_columns(self.layouts)
+        self.S = self.W * self.U
+        self.cols = [layout.cols for layout in self.layouts]
+        self.mesh = topo.mesh
+        self.os_placements = topo.placements(placement.os)
+        self.masters = [self._make_master(layout, value) for layout, value in zip(self.layouts, values)]
+        self.working = [nn.Parameter(torch.empty(layout.shape, dtype=param_dtype, device=device),
+                                     requires_grad=trainable) for layout in self.layouts]
+        self.aliases = [_alias(w) for w in self.working]
+        self.allocated = True          # the working tensors have storage (always, when p is replicated)
+        self.p_shard = None if placement.p == 0 else torch.empty(self.S // self.size(placement.p),
+                                                                  dtype=param_dtype, device=device)
+        self.grad_acc = torch.zeros(self.S // self.size(placement.g), device=device) if trainable else None
+        self.grad_pending = False      # grad_acc holds micro-steps not yet moved to the masters' grads
+        self._marks: list[tuple[int, int] | None] = [None] * len(self.layouts)   # (id, version) of grads set
+        self.hpz: dict[int, tuple[int, object]] = {}   # level -> (weights version, band or (payload, scales))
         plan = placement.plan
         self.qwz = QuantizedGather(codec_from_spec(plan.qwz)) if plan.qwz else None
         self.qgz = QuantizedReduceScatter(codec_from_spec(plan.qgz.removesuffix("+ef")),
                                           plan.qgz.endswith("+ef")) if plan.qgz else None
-        self._encoded = None   # the last qwz gather's encodings, kept until release builds the hpz shards
+        self._encoded_p = None         # (weights version, payload, scales): the qwz encoding of p_shard
         self.cc = plan.cc
-        self.synced_version = self.master._version
-        self.gathered = placement.p == 0
-        self.gathered_version = self.synced_version
-        if placement.p > 0:
-            self.release()
+        self.weights_version = 0
+        self.gathered_version = -1     # weights version the working tensors hold
+        self.sync_params()
+        self.release()
 
     # ---- layout -------------------------------------------------------------------------------
     def size(self, level: int) -> int:
         return self.topo.level_size(level)
+
+    def slots(self, level: int) -> int:
+        """Rows of the slot-major matrix a level-``level`` band holds."""
+        return self.W // self.size(level)
 
     def chunk_range(self, level: int) -> tuple[int, int]:
         length = self.S // self.size(level)
         start = self.topo.chunk_index(self.rank, level) * length
         return start, start + length
 
-    def _chunk(self, flat: torch.Tensor, level: int) -> torch.Tensor:
-        start, end = self.chunk_range(level)
-        return flat[start:end]
+    def first_slot(self, level: int) -> int:
+        return self.topo.chunk_index(self.rank, level) * self.slots(level)
 
     def group(self, inner: int, outer: int):
         return self.topo.group_for(self.rank, inner, outer)
 
-    # ---- parameters: master -> p_shard -> full ------------------------------------------------
+    # ---- masters ------------------------------------------------------------------------------
+    def _make_master(self, layout: ParamLayout, full: torch.Tensor) -> nn.Parameter:
+        band = layout.band(self.first_slot(self.pl.os), self.slots(self.pl.os))
+        local = full.detach().narrow(0, band.start, band.length).to(device=self.device, dtype=torch.float32)
+        dt = DTensor.from_local(local.clone(), self.mesh, self.os_placements, run_check=False,
+                                shape=layout.shape, stride=_contiguous_stride(layout.shape))
+        return nn.Parameter(dt, requires_grad=self.trainable)
+
+    def master_local(self, index: int) -> torch.Tensor:
+        return self.masters[index]._local_tensor
+
+    def _master_marks(self) -> list[tuple[int, int, int]]:
+        return [(m._version, id(m._local_tensor), m._local_tensor._version) for m in self.masters]
+
     @property
     def stale(self) -> bool:
-        return self.master._version != self.synced_version
+        """A master was written in place (or replaced) since the working copies were made from it."""
+        return self._master_marks() != self._synced_marks
+
+    # ---- parameters: masters -> p_shard -> working ------------------------------------------------
+    def _pack_masters(self, dtype: torch.dtype) -> torch.Tensor:
+        """The masters as this rank's level-os band (slots x U), in ``dtype``: one interleaving copy."""
+        n_os = self.slots(self.pl.os)
+        band = torch.empty(self.S // self.size(self.pl.os), dtype=dtype, device=self.device)
+        pieces = []
+        for i, layout in enumerate(self.layouts):
+            local = self.master_local(i)
+            b = layout.band(self.first_slot(self.pl.os), n_os)
+            if b.index is None and b.length == b.padded:
+                pieces.append(local.reshape(-1))
+            else:
+                padded = torch.empty(b.padded, layout.row, device=self.device)
+                b.pad_into(local, padded)
+                pieces.append(padded.view(-1))
+        _chunk_cat(pieces, n_os, band)
+        return band
+
+    def _split_full(self, full: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+        """Scatter a whole (slots x U) matrix into per-parameter tensors of the original shapes: one copy each."""
+        targets, scratch = [], []
+        for layout, out in zip(self.layouts, outs):
+            if layout.exact:
+                targets.append(out.view(self.W, layout.cols))
+            else:
+                padded = torch.empty(self.W * layout.rows, layout.row, dtype=full.dtype, device=self.device)
+                scratch.append((layout, out, padded))
+                targets.append(padded.view(self.W, layout.cols))
+        torch.split_with_sizes_copy(full.view(self.W, self.U), self.cols, dim=1, out=targets)
+        for layout, out, padded in scratch:
+            out.copy_(layout.band(0, self.W).real(padded))
+
+    @torch.no_grad()
+    def full_values(self) -> list[torch.Tensor]:
+        """Every parameter's full fp32 value, on every rank: one all-gather of the masters for the group."""
+        band = self._pack_masters(torch.float32)
+        full = torch.empty(self.S, device=self.device)
+        C.all_gather(full, band, self.group(0, self.pl.os), self.topo, "state_dict")
+        outs = [torch.empty(layout.shape, device=self.device) for layout in self.layouts]
+        self._split_full(full, outs)
+        return outs
 
     @torch.no_grad()
     def sync_params(self) -> None:
-        """Bring the updated master (level os) back to the parameter level p; drop cached copies."""
+        """Bring the masters (level os) back to the parameter level p; drop every derived copy."""
         pl = self.pl
-        src = self.master.detach().to(self.param_dtype)
+        band = self._pack_masters(self.param_dtype)
         if pl.p < pl.os:
-            self._all_gather(self.p_shard, src, pl.p, pl.os, "param_sync")
+            level_p = torch.empty(self.S // self.size(pl.p), dtype=self.param_dtype, device=self.device)
+            self._all_gather(level_p, band, pl.p, pl.os, "param_sync")
         else:
             start, end = self.chunk_range(pl.p)
             base, _ = self.chunk_range(pl.os)
-            self.p_shard.copy_(src[start - base:end - base])
+            level_p = band[start - base:end - base]
+        self.weights_version += 1
         self.hpz.clear()
-        self.synced_version = self.master._version
+        self._encoded_p = None
+        if pl.p == 0:
+            self._copy_out(level_p)
+            self.gathered_version = self.weights_version
+        else:
+            self.p_shard.copy_(level_p)     # working tensors in use are refilled by the next gather
+        self._synced_marks = self._master_marks()
 
     @torch.no_grad()
     def gather(self, op: str) -> None:
-        """Fill ``full`` from the finest valid copy: an hpz shard of the current weights, else p_shard."""
-        if self.stale:
-            self.sync_params()
-        if self.gathered and self.gathered_version == self.synced_version:
+        """Fill the working tensors from the finest valid copy: an hpz band of the current weights, else p_shard."""
+        if self.gathered_version == self.weights_version:
             return
         pl = self.pl
-        if pl.p > 0:
-            if not self.gathered:
-                self.full.untyped_storage().resize_(self.S * self.full.element_size())
-            level, source = pl.p, self.p_shard
-            for h in pl.hpz:   # sorted innermost first: the smallest group wins
-                cached = self.hpz.get(h)
-                if cached is not None and cached[0] == self.synced_version:
-                    level, source = h, cached[1]
-                    break
-            if self.qwz is None:
-                self._all_gather(self.full_alias, source, 0, level, op)
-            else:
-                chunks, numel = self.size(pl.p), self.S // self.size(pl.p)
-                payload, scales = self.qwz.encode(source) if level == pl.p else source
-                self._encoded = self.qwz.gather(payload, scales, self.group(0, level), chunks, numel, self.topo, op)
-                self.qwz.decode(*self._encoded, chunks, numel, out=self.full_alias)
-        self.gathered = True
-        self.gathered_version = self.synced_version
+        level, source = pl.p, self.p_shard
+        for h in pl.hpz:   # sorted innermost first: the smallest group wins
+            cached = self.hpz.get(h)
+            if cached is not None and cached[0] == self.weights_version:
+                level, source = h, cached[1]
+                break
+        full = torch.empty(self.S, dtype=self.param_dtype, device=self.device)
+        if self.qwz is None:
+            self._all_gather(full, source, 0, level, op)
+            encoded = None
+        else:
+            chunks, numel = self.size(pl.p), self.S // self.size(pl.p)
+            if level == pl.p:
+                if self._encoded_p is None or self._encoded_p[0] != self.weights_version:
+                    self._encoded_p = (self.weights_version, *self.qwz.encode(self.p_shard))
+                source = self._encoded_p[1:]
+            encoded = self.qwz.gather(*source, self.group(0, level), chunks, numel, self.topo, op)
+            self.qwz.decode(*encoded, chunks, numel, out=full)
+        for h in pl.hpz:
+            if self.hpz.get(h, (None,))[0] != self.weights_version:
+                self.hpz[h] = (self.weights_version, self._hpz_band(h, full, encoded))
+        if not self.allocated:
+            for w in self.working:
+                w.untyped_storage().resize_(w.numel() * w.element_size())
+            self.allocated = True
+        self._copy_out(full)
+        self.gathered_version = self.weights_version
+
+    def _copy_out(self, full: torch.Tensor) -> None:
+        self._split_full(full, self.aliases)
 
     @torch.no_grad()
     def release(self) -> None:
-        """Free ``full`` when p is sharded, leaving the hpz shards of these exact weights behind."""
-        if self.pl.p == 0:
+        """Free the working tensors when p is sharded (the hpz bands of these weights stay behind)."""
+        if self.pl.p == 0 or not self.allocated:
             return
-        if self.gathered:
-            for h in self.pl.hpz:
-                if self.hpz.get(h, (None,))[0] != self.gathered_version:
-                    self.hpz[h] = (self.gathered_version, self._hpz_shard(h))
-        self._encoded = None
-        self.full.untyped_storage().resize_(0)
-        self.gathered = False
+        for w in self.working:
+            w.untyped_storage().resize_(0)
+        self.allocated = False
+        self.gathered_version = -1
 
-    def _hpz_shard(self, level: int):
-        """This rank's level-``level`` shard of the gathered weights: exact values, or under qwz the encodings
+    def _hpz_band(self, level: int, full: torch.Tensor, encoded):
+        """This rank's level-``level`` band of the gathered weights: exact values, or under qwz the encodings
         exactly as received (never re-quantized from a dequantized copy)."""
-        if self.qwz is None:
-            return self._chunk(self.full_alias, level).clone()
-        payload_all, scales_all = self._encoded
+        if encoded is None:
+            start, end = self.chunk_range(level)
+            return full[start:end].clone()
+        payload_all, scales_all = encoded
         ratio = self.size(self.pl.p) // self.size(level)
         index = self.topo.chunk_index(self.rank, level)
         P, s = (len(t) // self.size(self.pl.p) for t in (payload_all, scales_all))
         return (payload_all[index * ratio * P:(index + 1) * ratio * P].clone(),
                 scales_all[index * ratio * s:(index + 1) * ratio * s].clone())
 
-    def views(self) -> list[torch.Tensor]:
-        """One tensor per original parameter, on ``full``; autograd carries their gradients into ``full.grad``."""
-        return [self.full[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
-
-    # ---- gradients: full.grad -> grad_acc (level g) -> master.grad (level os) -----------------
+    # ---- gradients: working .grad -> grad_acc (level g) -> master.grad (level os) ----------------
     @torch.no_grad()
-    def reduce_micro_step(self, grad: torch.Tensor | None) -> None:
-        """Reduce this micro-step's full gradient to level g and accumulate it (pre-divided: the DDP mean)."""
+    def reduce_micro_step(self, boundary: bool) -> None:
+        """Reduce this micro-step's gradients to level g and accumulate them (pre-divided: the DDP mean).
+
+        Off the boundary the masters get placeholder gradients so that zero_grad can be seen
+        (``discard_cleared_grads``); at the boundary ``sync_grads`` follows at once and makes the real ones."""
+        self.discard_cleared_grads()
         pl = self.pl
-        if grad is None:
-            grad = torch.zeros(self.S, dtype=self.reduce_dtype)
-        local = grad.to(self.reduce_dtype) / self.topo.world_size
+        pieces = []
+        for layout, w in zip(self.layouts, self.working):
+            grad, w.grad = w.grad, None
+            if grad is None:
+                pieces.append(torch.zeros(self.W * layout.cols, dtype=self.param_dtype, device=self.device))
+            elif layout.exact:
+                pieces.append(grad.reshape(-1))
+            else:
+                padded = torch.empty(self.W * layout.rows, layout.row, dtype=self.param_dtype, device=self.device)
+                layout.band(0, self.W).pad_into(grad, padded)
+                pieces.append(padded.view(-1))
+        full = torch.empty(self.S, dtype=self.reduce_dtype, device=self.device)
+        _chunk_cat(pieces, self.W, full)
+        full.div_(self.W)
         if pl.g == 0:
-            self.grad_acc += local
+            self.grad_acc += full
+        else:
+            self.grad_acc += self._reduce_scatter(full, 0, pl.g, "grad_reduce")
+        self.grad_pending = True
+        if not boundary:
+            self._mark_grads()
+
+    def discard_cleared_grads(self) -> None:
+        """``optimizer.zero_grad()`` between micro-steps clears what they accumulated, as it would with DDP.
+
+        Each master holds a gradient from its first micro-step on (zeros until the boundary adds the rest), so
+        clearing it (set to None, or zeroed in place) is visible here; that parameter's columns are dropped."""
+        if not self.grad_pending:
             return
-        self.grad_acc += self._reduce_scatter(local, 0, pl.g, "grad_reduce")
+        band = self.grad_acc.view(self.slots(self.pl.g), self.U)
+        for i, (layout, master) in enumerate(zip(self.layouts, self.masters)):
+            if self._marks[i] is not None and self._grad_mark(master) != self._marks[i]:
+                band[:, layout.offset:layout.offset + layout.cols].zero_()
+
+    @staticmethod
+    def _grad_mark(master: nn.Parameter):
+        grad = master.grad
+        if grad is None:
+            return None
+        return (id(grad), grad._version, grad._local_tensor._version)
+
+    def _mark_grads(self) -> None:
+        """Give every master a gradient (zeros until the boundary) so that zero_grad can be seen."""
+        for i, (layout, master) in enumerate(zip(self.layouts, self.masters)):
+            if master.grad is None:
+                local = torch.zeros_like(self.master_local(i))
+                master.grad = DTensor.from_local(local, self.mesh, self.os_placements, run_check=False,
+                                                 shape=layout.shape, stride=_contiguous_stride(layout.shape))
+            self._marks[i] = self._grad_mark(master)
 
     def _reduce_scatter(self, buf: torch.Tensor, inner: int, outer: int, op: str) -> torch.Tensor:
         """Sum over the (inner -> outer) group, keeping this rank's level-``outer`` chunk; qgz goes tier by tier."""
@@ -194,7 +308,7 @@ class FlatGroup:
             return self.qgz(buf, hops, self.topo, op, key=(inner, outer))
         if self.cc:
             return H.reduce_scatter(buf, inner, outer, self._hop, self.topo, op)
-        out = torch.empty(self.S // self.size(outer), dtype=buf.dtype)
+        out = torch.empty(self.S // self.size(outer), dtype=buf.dtype, device=self.device)
         C.reduce_scatter(out, buf, self.group(inner, outer), self.topo, op)
         return out
 
@@ -216,7 +330,8 @@ class FlatGroup:
 
     @torch.no_grad()
     def sync_grads(self) -> None:
-        """At the accumulation boundary: finish the reduction over the world, at level os, into master.grad."""
+        """At the accumulation boundary: finish the reduction over the world, at level os, into the masters' grads."""
+        self.discard_cleared_grads()
         pl, top = self.pl, self.topo.num_levels - 1
         buf = self.grad_acc.to(self.reduce_dtype)
         if pl.g < pl.os:
@@ -226,44 +341,67 @@ class FlatGroup:
             self._all_reduce(buf, pl.g, top, "grad_sync")
             out = buf
             if pl.g > pl.os:
-                out = torch.empty(self.S // self.size(pl.os), dtype=self.reduce_dtype)
+                out = torch.empty(self.S // self.size(pl.os), dtype=self.reduce_dtype, device=self.device)
                 self._all_gather(out, buf, pl.os, pl.g, "grad_sync")
         out = out.to(torch.float32)
         if out.data_ptr() == self.grad_acc.data_ptr():
-            out = out.clone()
-        if self.master.grad is None:
-            self.master.grad = out
-        else:
-            self.master.grad += out
+            out = out.clone()          # the masters' gradients must not alias the accumulator
+        self._add_to_master_grads(out)
         self.grad_acc.zero_()
+        self.grad_pending = False
+        self._marks = [None] * len(self.layouts)
+
+    def _add_to_master_grads(self, band: torch.Tensor) -> None:
+        """Split a level-os (slots x U) band into the masters' gradient shards and add them in."""
+        n_os = self.slots(self.pl.os)
+        if n_os == 1:       # one slot: the band is the parameters' padded shards end to end, no copy needed
+            blocks = list(band.split(self.cols))
+        else:
+            blocks = [torch.empty(n_os, c, device=self.device) for c in self.cols]
+            torch.split_with_sizes_copy(band.view(n_os, self.U), self.cols, dim=1, out=blocks)
+        for i, (layout, master, block) in enumerate(zip(self.layouts, self.masters, blocks)):
+            b = layout.band(self.first_slot(self.pl.os), n_os)
+            local = b.real(block.view(b.padded, layout.row))
+            if master.grad is None:
+                master.grad = DTensor.from_local(local, self.mesh,
+                                                 self.os_placements, run_check=False, shape=layout.shape,
+                                                 stride=_contiguous_stride(layout.shape))
+            else:
+                master.grad._local_tensor.add_(local)
 
     # ---- whole-state helpers ------------------------------------------------------------------
     @torch.no_grad()
-    def full_master(self) -> torch.Tensor:
-        """The unpadded fp32 master values of the whole group, on every rank."""
-        out = torch.empty(self.S, dtype=torch.float32)
-        C.all_gather(out, self.master.detach(), self.group(0, self.pl.os), self.topo, "state_dict")
-        return out[: self.numel]
-
-    @torch.no_grad()
-    def load_full(self, values: torch.Tensor) -> None:
-        """Write new full fp32 values: every rank has them, so each cuts its own shards without communication."""
-        flat = torch.zeros(self.S, dtype=torch.float32)
-        flat[: self.numel] = values
-        self.master.copy_(self._chunk(flat, self.pl.os))
-        self.p_shard.copy_(self._chunk(flat, self.pl.p))
-        self.hpz.clear()
-        self.synced_version = self.master._version
-        if self.pl.p > 0 and self.gathered:
-            self.release()
+    def load_full(self, index: int, full: torch.Tensor) -> None:
+        """Write a parameter's full fp32 value: every rank has it, so each cuts its own shard."""
+        layout = self.layouts[index]
+        b = layout.band(self.first_slot(self.pl.os), self.slots(self.pl.os))
+        self.master_local(index).copy_(full.detach().narrow(0, b.start, b.length))
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of each persistent model state this rank holds for the group."""
         def nbytes(t):
             return 0 if t is None else t.numel() * t.element_size()
+        params = nbytes(self.p_shard) if self.pl.p > 0 else sum(nbytes(w) for w in self.working)
+        hpz = 0
+        for _, value in self.hpz.values():
+            hpz += sum(nbytes(t) for t in value) if isinstance(value, tuple) else nbytes(value)
         return {
-            "params": nbytes(self.p_shard),
+            "params": params,
             "grads": nbytes(self.grad_acc),
-            "masters": nbytes(self.master),
-            "hpz": sum(nbytes(t) for _, t in self.hpz.values()),
+            "masters": sum(nbytes(self.master_local(i)) for i in range(len(self.masters))),
+            "hpz": hpz,
         }
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, out = 1, []
+    for size in reversed(tuple(shape)):
+        out.append(stride)
+        stride *= max(size, 1)
+    return tuple(reversed(out))
+
+
+def _chunk_cat(pieces: list[torch.Tensor], chunks: int, out: torch.Tensor) -> None:
+    """Interleave flat per-parameter pieces (each a multiple of ``chunks``, one dtype) into a (chunks x U) matrix,
+    converting to ``out``'s dtype on the way: one kernel."""
+    torch._chunk_cat(pieces, dim=0, num_chunks=chunks, out=out.view(chunks, -1))

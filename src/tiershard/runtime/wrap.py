@@ -6,7 +6,7 @@ from typing import Callable, Iterable, Union
 
 import torch.nn as nn
 
-WrapPolicy = Union[None, Iterable[type], Callable[[nn.Module], bool]]
+WrapPolicy = Union[None, type, str, Iterable[Union[type, str]], Callable[[nn.Module], bool]]
 
 
 @dataclass
@@ -19,14 +19,17 @@ class UnitSpec:
 
 
 def _matcher(wrap: WrapPolicy) -> Callable[[nn.Module], bool]:
+    """Classes match by isinstance, names (e.g. a transformers model's ``_no_split_modules``) by class name."""
     if wrap is None:
         return lambda m: False
     if callable(wrap) and not isinstance(wrap, type):
         return wrap
-    classes = tuple(wrap) if not isinstance(wrap, type) else (wrap,)
-    if not all(isinstance(c, type) for c in classes):
-        raise TypeError(f"wrap must be module classes or a predicate, got {wrap!r}")
-    return lambda m: isinstance(m, classes)
+    items = (wrap,) if isinstance(wrap, (type, str)) else tuple(wrap)
+    if not items or not all(isinstance(c, (type, str)) for c in items):
+        raise TypeError(f"wrap must be module classes, class names or a predicate, got {wrap!r}")
+    classes = tuple(c for c in items if isinstance(c, type))
+    names = {c for c in items if isinstance(c, str)}
+    return lambda m: isinstance(m, classes) or type(m).__name__ in names
 
 
 def find_units(model: nn.Module, wrap: WrapPolicy) -> list[UnitSpec]:
@@ -40,6 +43,11 @@ def find_units(model: nn.Module, wrap: WrapPolicy) -> list[UnitSpec]:
     for path, module in model.named_modules():
         if path and match(module):
             units.append(UnitSpec(path, module))
+    if wrap is not None and len(units) == 1:
+        kinds = sorted({type(m).__name__ for _, m in model.named_modules()})
+        raise ValueError(f"wrap={wrap!r} matches no submodule of {type(model).__name__}, so the whole model would "
+                         f"be one unit: name the repeated block (module classes here: {', '.join(kinds[:12])}"
+                         f"{' ...' if len(kinds) > 12 else ''}), or pass wrap=None for one unit on purpose")
     unit_paths = [u.path for u in units]
 
     def owner(path: str) -> int:

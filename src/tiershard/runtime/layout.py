@@ -1,0 +1,148 @@
+"""Where each row of each parameter sits in a unit's flat buffers: the per-parameter side of the ownership map.
+
+[Note: slot-major layout] A parameter of shape ``(d, *rest)`` is cut on dim 0 exactly as DTensor cuts it under
+nested ``Shard(0)`` placements over the tiers, innermost first (``Topology.placements``): the rows are split
+into ``fanouts[0]`` chunks with ``torch.chunk``'s rule (ceil-sized, trailing chunks short or empty), each of
+those into ``fanouts[1]``, and so on. The ``W`` finest chunks (one per rank, indexed by ``chunk_index`` at the
+top level) are padded to a common ``R`` rows, the size of the first one.
+
+A unit's buffer at any level is a ``(slots, U)`` matrix in *slot-major* order: row ``c`` holds finest chunk
+``c`` of every parameter side by side (parameter ``j`` in columns ``[offset_j, offset_j + R_j * row_j)``,
+``U`` = the sum of those widths). The level-``k`` chunk a rank owns is a contiguous band of ``W / size(k)``
+rows, so every level move is one flat collective over a cross group on contiguous memory (the v1 ownership
+map, unchanged), and a parameter's level-``k`` DTensor shard is its column block of that band, with padding
+rows dropped. Only the ends of the pipeline touch parameters: the copy-out of a gathered unit into
+per-parameter working tensors, the copy-in of their gradients, and the exchange with the fp32 masters.
+
+When the real rows of a band form a prefix of its padded rows (always when ``d`` divides evenly, and with one
+tier), a shard is a view of the padded block; otherwise (uneven nesting, e.g. 5 rows over 2 x 2) the rows are
+picked by index. Either way it is one copy per parameter, never per unit.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+
+def finest_chunks(dim0: int, fanouts: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, length) of each finest chunk of ``dim0`` rows, in ownership (innermost-first) order."""
+    chunks = [(0, dim0)]
+    for t in fanouts:
+        nxt = []
+        for start, length in chunks:
+            size = -(-length // t)
+            for i in range(t):
+                lo, hi = min(i * size, length), min((i + 1) * size, length)
+                nxt.append((start + lo, hi - lo))
+        chunks = nxt
+    return chunks
+
+
+@dataclass
+class ParamLayout:
+    """One original parameter: its names and uses, global shape, and its columns in the unit's matrices."""
+
+    uses: list[tuple[nn.Module, str]]
+    names: list[str]
+    shape: torch.Size
+    chunks: list[tuple[int, int]]      # finest chunks (start, length), one per slot
+    offset: int = 0                     # first column in the unit's matrix
+    rows: int = field(init=False)       # R: padded rows per slot
+    row: int = field(init=False)        # elements per row
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.rows = self.chunks[0][1] if self.chunks else 0
+        self.row = math.prod(self.shape[1:])
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    @property
+    def cols(self) -> int:
+        """Width of this parameter's column block: ``R * row``."""
+        return self.rows * self.row
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def exact(self) -> bool:
+        """Every finest chunk is full: the padded parameter is the parameter (no padding rows at all)."""
+        return self.rows * len(self.chunks) == self.shape[0]
+
+    def band(self, first: int, count: int) -> "Band":
+        """The real rows inside slots ``[first, first + count)``: where they are in the padded block."""
+        key = (first, count)
+        band = self._cache.get(key)
+        if band is None:
+            band = Band.of(self.chunks[first:first + count], self.rows, self.row, self.shape)
+            self._cache[key] = band
+        return band
+
+
+@dataclass(frozen=True)
+class Band:
+    """A run of consecutive slots of one parameter: its real rows and how they sit in the padded rows."""
+
+    start: int                          # first real row (global)
+    length: int                         # real rows
+    padded: int                         # padded rows = slots * R
+    index: torch.Tensor | None          # padded positions of the real rows, None when they are a prefix
+    shape: tuple[int, ...]              # shape of the real shard
+
+    @classmethod
+    def of(cls, chunks: Sequence[tuple[int, int]], R: int, row: int, shape: torch.Size) -> "Band":
+        start = chunks[0][0] if chunks else 0
+        length = sum(n for _, n in chunks)
+        # a prefix: every slot before the last non-empty one is full
+        nonempty = [i for i, (_, n) in enumerate(chunks) if n]
+        prefix = all(chunks[i][1] == R for i in range(nonempty[-1])) if nonempty else True
+        index = None
+        if not prefix:
+            index = torch.cat([torch.arange(i * R, i * R + n) for i, (_, n) in enumerate(chunks)])
+        return cls(start, length, len(chunks) * R, index, (length, *shape[1:]))
+
+    def real(self, padded: torch.Tensor) -> torch.Tensor:
+        """The real rows of a padded block (``padded`` rows x row): a view when they form a prefix."""
+        if self.index is None:
+            return padded[: self.length].view(self.shape)
+        return padded.index_select(0, self.index.to(padded.device)).view(self.shape)
+
+    def pad_into(self, real: torch.Tensor, padded: torch.Tensor) -> None:
+        """Write ``real`` rows into a padded block, zeroing the padding rows."""
+        real = real.reshape(self.length, -1)
+        if self.index is None:
+            padded[: self.length].copy_(real)
+            padded[self.length:].zero_()
+        else:
+            padded.zero_()
+            padded.index_copy_(0, self.index.to(padded.device), real.to(padded.dtype))
+
+
+def plan_columns(layouts: Sequence[ParamLayout]) -> int:
+    """Assign each parameter its column offset; returns U, the width of the unit's matrices."""
+    offset = 0
+    for layout in layouts:
+        layout.offset = offset
+        offset += layout.cols
+    return offset
+
+
+def padded_unit_numel(shapes: Sequence[Sequence[int]], fanouts: Sequence[int]) -> int:
+    """``S`` = slots x U for parameters of these shapes: what every flat buffer of the unit is cut from."""
+    world = math.prod(fanouts)
+    total = 0
+    for shape in shapes:
+        shape = tuple(shape)
+        if not shape:
+            continue
+        rows = finest_chunks(shape[0], fanouts)[0][1]
+        total += world * rows * math.prod(shape[1:])
+    return total
