@@ -8,31 +8,63 @@ Why symmetric: weights and gradients are roughly zero-centred, so a zero point b
 0 encodes exactly (padding and all-zero blocks cost no error) and decoding is one multiply per value.
 
 Format, for a flat tensor of ``numel`` values split into ``nblocks = ceil(numel / block)`` blocks (the last one
-zero-padded): ``scale[b] = absmax(block b) / qmax`` in fp32, ``q = round(x / scale)`` clamped to [-qmax, qmax]
-(qmax = 127 for int8, 7 for int4; round half to even), ``x_hat = q * scale``. An all-zero block has scale 0 and
-decodes to exact zeros. The payload holds only the ``numel`` real values, never the padding:
+may be short): ``scale[b] = absmax(block b) / qmax`` in fp32, ``q = round(x / scale)`` clamped to [-qmax, qmax]
+(qmax = 127 for int8, 7 for int4; fp32 division, round half to even), ``x_hat = q * scale`` in fp32, then cast to
+the output dtype (round to nearest even). An all-zero block has scale 0 and decodes to exact zeros. The payload
+holds only the ``numel`` real values:
 
 - int8: ``numel`` int8 bytes.
 - int4: ``ceil(numel / 2)`` uint8 bytes; value ``2i`` sits in the low nibble of byte ``i`` and value ``2i+1`` in
   the high nibble, each stored offset-binary as ``q + 8`` (1..15). An odd ``numel`` pads the last high nibble with 8 (0).
 
-Error bound: every element satisfies ``|x - x_hat| <= scale_of_its_block / 2`` (plus fp32 rounding, about
-``qmax * 2**-23 * scale``), i.e. at most ``absmax / 254`` (int8) or ``absmax / 14`` (int4) of its block's absmax.
+Non-finite input: a block holding nan or inf gets a nan scale and an all-zero ``q``, so it decodes to nan and so
+does any sum it enters; the other blocks are unaffected. Nothing raises and nothing waits for the device: an
+overflowed fp16 gradient reaches every rank as nan, where the loss scaler sees it and skips the step.
 
-The sizes are pure functions of ``numel`` (``payload_numel``, ``scales_numel``, ``wire_bytes``), so every rank can
-pre-allocate matching buffers; ``encode_into`` fills slices of such buffers and ``decode_chunks`` decodes the
-concatenated encodings of k equally sized chunks (what an all-gather or all-to-all delivers) in one pass.
+Error bound: every element of a finite block satisfies ``|x - x_hat| <= scale_of_its_block / 2`` (plus fp32
+rounding, about ``qmax * 2**-23 * scale``), i.e. at most ``absmax / 254`` (int8) or ``absmax / 14`` (int4).
+
+Wire format (``encode_wire`` / ``decode_wire`` / ``decode_wire_sum``): payload and scales travel in one buffer, so
+one collective moves both. ``k`` equal chunks of ``n`` values each take ``wire_bytes(n)`` bytes, chunk ``i`` at byte
+``i * wire_bytes(n)``::
+
+    [0, P)        payload, P = payload_numel(n) bytes (int8 values or packed int4, as above)
+    [P, P4)       zero bytes, P4 = 4 * ceil(P / 4), so the scales are 4-byte aligned
+    [P4, W)       scales_numel(n) fp32 scales, native byte order (little-endian on every supported machine)
+
+``W = wire_bytes(n) = P4 + 4 * scales_numel(n)`` is a multiple of 4, so every chunk's scales are aligned when the
+buffer is; it is exactly what goes on the wire, and what the traffic formulas count.
+
+The sizes are pure functions of ``numel``, so every rank can pre-allocate matching buffers. The separate
+payload/scales API (``encode``, ``encode_into``, ``decode_chunks``, ``decode_from``, ``decode``) stays for callers
+that move the two in separate collectives; ``decode_chunks`` decodes k concatenated encodings at once.
+
+Backends, chosen per call by the tensor's device, all giving the same bits on the CPU:
+
+- CPU: fused C kernels (``codec_kernels.py``), built on first use; if they cannot be built, or disagree with the
+  reference on a self-check, the reference torch path (a warning is issued only for a disagreement).
+- CUDA: Triton kernels (``codec_triton.py``) for the wire API when ``triton`` imports (extra ``gpu``); the
+  reference torch path otherwise. Neither synchronizes with the host.
+- Anything else: the reference torch path.
+
+``TIERSHARD_CODEC_KERNELS=torch`` forces the reference path everywhere (for debugging).
 """
 from __future__ import annotations
 
+import ctypes
+import os
 import re
+import threading
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["BlockCodec", "Encoded", "INT8", "INT4", "codec_from_spec", "DEFAULT_BLOCKS"]
+__all__ = ["BlockCodec", "Encoded", "INT8", "INT4", "codec_from_spec", "DEFAULT_BLOCKS", "Order", "kernel_status",
+           "same_bits"]
 
 # Default blocks, measured on CPU (fp32, seed 0) on a gradient-like 4096x768 tensor: N(0,1) rows times a per-row
 # lognormal scale (sigma 0.5), 1% of rows x50, 0.01% of elements x100. Median per-row relative L2 error:
@@ -48,6 +80,12 @@ __all__ = ["BlockCodec", "Encoded", "INT8", "INT4", "codec_from_spec", "DEFAULT_
 DEFAULT_BLOCKS = {8: 2048, 4: 64}
 _QMAX = {8: 127, 4: 7}
 _SPEC = re.compile(r"^int(8|4)(?::(\d+))?$")
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_PARALLEL_MIN = 1 << 16  # values below which one thread beats waking the pool
+
+Order = Union[Sequence[int], Tensor, None]
+"""Which input chunk each wire row holds: row ``i`` <- chunk ``order[i]``; None is the identity."""
 
 
 class Encoded(NamedTuple):
@@ -56,6 +94,122 @@ class Encoded(NamedTuple):
     payload: Tensor
     scales: Tensor
     numel: int
+
+
+# ---- backend selection ------------------------------------------------------------------------------------
+# Read once: the hot path must not consult the environment on every call (tests flip the variable below instead).
+_force_reference = os.environ.get("TIERSHARD_CODEC_KERNELS", "auto").strip().lower() == "torch"
+_select_lock = threading.Lock()
+_cpu_state: object = None   # None: not tried; False: unusable; else codec_kernels.Kernels
+_cpu_reason = "not tried yet"
+_triton_state: object = None  # None: not tried; False: unusable; else the codec_triton module
+_triton_reason = "not tried yet"
+
+
+def _cpu_kernels():
+    """The fused CPU kernels once built and checked against the reference, else None (the reference is used)."""
+    global _cpu_state, _cpu_reason
+    if _cpu_state is None:
+        with _select_lock:
+            if _cpu_state is None:
+                from . import codec_kernels
+                lib = codec_kernels.load()
+                if lib is None:
+                    _cpu_state, _cpu_reason = False, codec_kernels.status()
+                else:
+                    problem = _self_check(lib)
+                    if problem is None:
+                        _cpu_state, _cpu_reason = lib, repr(lib)
+                    else:
+                        _cpu_state, _cpu_reason = False, f"disabled, differs from the reference: {problem}"
+                        warnings.warn(f"tiershard codec kernels {lib!r} {_cpu_reason}; using the torch path",
+                                      RuntimeWarning, stacklevel=3)
+    return _cpu_state or None
+
+
+def _triton_kernels():
+    """The Triton module when ``triton`` imports, else None."""
+    global _triton_state, _triton_reason
+    if _triton_state is None:
+        with _select_lock:
+            if _triton_state is None:
+                try:
+                    from . import codec_triton
+                    _triton_state, _triton_reason = codec_triton, f"triton {codec_triton.triton.__version__}"
+                except Exception as exc:  # noqa: BLE001 - no triton (or a broken one) means the torch path
+                    _triton_state, _triton_reason = False, f"torch path: triton unavailable ({exc})"
+    return _triton_state or None
+
+
+def _cpu_lib(t: Tensor, dtype: torch.dtype):
+    """The CPU kernels if ``t`` is a CPU tensor and they handle ``dtype``, else None."""
+    if _force_reference or t.device.type != "cpu":
+        return None
+    lib = _cpu_state if _cpu_state is not None else _cpu_kernels()
+    if not lib or (dtype is torch.float16 and not lib.has_f16):
+        return None
+    return lib
+
+
+def _gpu_lib(t: Tensor):
+    """The Triton kernels if ``t`` is a CUDA tensor and triton imports, else None."""
+    if _force_reference or t.device.type != "cuda":
+        return None
+    return _triton_state if _triton_state is not None and _triton_state else _triton_kernels()
+
+
+def kernel_status() -> dict[str, str]:
+    """Which codec backend each device uses and why (builds the CPU kernels if not built yet)."""
+    if _force_reference:
+        return {"cpu": "torch (TIERSHARD_CODEC_KERNELS=torch)", "cuda": "torch (TIERSHARD_CODEC_KERNELS=torch)"}
+    _cpu_kernels()
+    _triton_kernels()
+    return {"cpu": f"c: {_cpu_reason}" if _cpu_state else f"torch: {_cpu_reason}", "cuda": _triton_reason}
+
+
+def _threads(numel: int) -> int:
+    return torch.get_num_threads() if numel >= _PARALLEL_MIN else 1
+
+
+_ORDERS: dict[tuple, ctypes.Array] = {}  # order -> int64 array for the kernels; a group's order repeats every call
+
+
+def _order_array(order: Order, k: int) -> ctypes.Array | None:
+    if order is None:
+        return None
+    key = tuple(order.tolist()) if isinstance(order, Tensor) else tuple(order)
+    arr = _ORDERS.get(key)
+    if arr is None or len(key) != k:
+        values = _check_order(key, k)
+        arr = (ctypes.c_int64 * k)(*values)
+        if len(_ORDERS) > 4096:
+            _ORDERS.clear()
+        _ORDERS[key] = arr
+    return arr
+
+
+def _check_order(order, k: int) -> list[int]:
+    values = [int(o) for o in order]
+    if len(values) != k or any(not 0 <= o < k for o in values):
+        raise ValueError(f"order must list {k} chunk indices in [0, {k}), got {values}")
+    return values
+
+
+def _order_index(order: Order, k: int, device: torch.device) -> Tensor | None:
+    """``order`` as an index tensor for the torch and Triton paths (a device tensor is used unchecked: checking it
+    would wait for the device)."""
+    if order is None:
+        return None
+    if isinstance(order, Tensor) and order.device.type != "cpu":
+        return order.to(torch.long)
+    values = _check_order(order.tolist() if isinstance(order, Tensor) else order, k)
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _check_float(x: Tensor, what: str) -> Tensor:
+    if x.dtype not in _FLOATS:
+        raise ValueError(f"can only encode float32, bfloat16 or float16 tensors, got {x.dtype} for {what}")
+    return x if x.is_contiguous() else x.contiguous()
 
 
 @dataclass(frozen=True)
@@ -93,42 +247,106 @@ class BlockCodec:
         """Number of fp32 scales (blocks) for ``numel`` values."""
         return -(-numel // self.block)
 
-    def wire_bytes(self, numel: int) -> int:
-        """Bytes on the wire for ``numel`` values: payload plus 4 bytes per scale."""
-        return self.payload_numel(numel) + 4 * self.scales_numel(numel)
+    def padded_payload_bytes(self, numel: int) -> int:
+        """Payload bytes rounded up to a multiple of 4: where a wire chunk's scales start."""
+        return -(-self.payload_numel(numel) // 4) * 4
 
-    # ---- encode ----------------------------------------------------------------------------------
+    def wire_bytes(self, numel: int) -> int:
+        """Bytes on the wire for one chunk of ``numel`` values: padded payload plus 4 bytes per scale."""
+        return self.padded_payload_bytes(numel) + 4 * self.scales_numel(numel)
+
+    # ---- reference path: plain torch, vectorised over k chunks ------------------------------------------
     @torch.no_grad()
-    def _quantize(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"can only encode float32, bfloat16 or float16 tensors, got {x.dtype}")
-        x = x.reshape(-1).float()
-        n, nb = x.numel(), self.scales_numel(x.numel())
+    def _ref_encode(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """(k, n) float values -> (k, payload_numel) payload and (k, nblocks) fp32 scales."""
+        k, n = rows.shape
+        nb = self.scales_numel(n)
+        x = rows.float()
         if nb * self.block != n:  # zero padding: costs no error because 0 encodes exactly
-            x = torch.cat([x, x.new_zeros(nb * self.block - n)])
-        blocks = x.view(nb, self.block)
-        scales = blocks.abs().amax(dim=1) / self.qmax
-        # amax propagates nan and inf, so checking the nb scales is one small reduction instead of one over x.
-        if nb and not bool(torch.isfinite(scales).all()):
-            kind = "nan" if bool(torch.isnan(scales).any()) else "inf"
-            raise ValueError(f"cannot encode a tensor containing {kind} (non-finite values are not quantizable)")
+            x = torch.nn.functional.pad(x, (0, nb * self.block - n))
+        blocks = x.view(k, nb, self.block)
+        amax = blocks.abs().amax(dim=2)  # propagates nan, and inf stays inf
+        finite = torch.isfinite(amax)
+        scales = torch.where(finite, amax / self.qmax, torch.full_like(amax, float("nan")))
         # Dividing by 1 in zero blocks gives exact zeros (and no 0/0); scales stay 0 so decoding gives 0 too.
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        q = torch.round(blocks / safe[:, None]).clamp_(-self.qmax, self.qmax).view(-1)[:n]
+        q = torch.round(blocks / safe[..., None]).clamp_(-self.qmax, self.qmax)
+        q = torch.where(finite[..., None], q, torch.zeros_like(q)).view(k, -1)[:, :n]
         if self.bits == 8:
             return q.to(torch.int8), scales
         if n % 2:
-            q = torch.cat([q, q.new_zeros(1)])
-        nib = (q + 8).to(torch.uint8).view(-1, 2)
-        return nib[:, 0] | (nib[:, 1] << 4), scales
+            q = torch.nn.functional.pad(q, (0, 1))
+        nib = (q + 8).to(torch.uint8).view(k, -1, 2)
+        return nib[..., 0] | (nib[..., 1] << 4), scales
 
+    @torch.no_grad()
+    def _ref_decode(self, payload: Tensor, scales: Tensor, n: int) -> Tensor:
+        """(k, payload_numel) payload and (k, nblocks) fp32 scales -> (k, n) fp32 values."""
+        k = payload.shape[0]
+        if self.bits == 8:
+            q = payload.view(torch.int8).float()
+        else:
+            q = torch.stack([payload & 0xF, payload >> 4], dim=2).view(k, -1)[:, :n].float() - 8
+        return q * scales.float().repeat_interleave(self.block, dim=1)[:, :n]
+
+    @torch.no_grad()
+    def _ref_encode_rows(self, x: Tensor, k: int, n: int, order: Order, pay: Tensor, sc: Tensor,
+                         pad: Tensor | None) -> None:
+        """Reference encode of chunk order[i] (or i) of flat ``x`` into uint8 row views pay[i], sc[i]; zero pad."""
+        rows = x.view(k, n)
+        idx = _order_index(order, k, x.device)
+        if idx is not None:
+            rows = rows.index_select(0, idx)
+        payload, scales = self._ref_encode(rows)
+        pay.copy_(payload.view(torch.uint8))
+        sc.copy_(scales.view(torch.uint8))
+        if pad is not None:
+            pad.zero_()
+
+    @torch.no_grad()
+    def _ref_decode_rows(self, pay: Tensor, sc: Tensor, k: int, n: int, out: Tensor | None,
+                         sum_out: Tensor | None) -> None:
+        """Reference decode of uint8 row views into flat ``out`` (k*n values) or, summed in fp32, ``sum_out``."""
+        values = self._ref_decode(pay, sc.contiguous().view(torch.float32), n)
+        if out is not None:
+            out.view(k, n).copy_(values)
+        elif k == 0:
+            sum_out.zero_()
+        else:
+            sum_out.copy_(values[0])
+            for i in range(1, k):  # row order, as the kernels add
+                sum_out.add_(values[i])
+
+    def _c_encode(self, lib, x: Tensor, k: int, n: int, order: Order, pay: int, pstride: int, sc: int,
+                  sstride: int, pad: int) -> None:
+        arr = _order_array(order, k)
+        rc = lib.encode(x.data_ptr(), _DTYPE_CODE[x.dtype], n, k, None if arr is None else ctypes.addressof(arr),
+                        self.block, self.bits, pay, pstride, sc, sstride, pad, _threads(k * n))
+        if rc:
+            raise RuntimeError(f"codec kernel encode failed ({rc}) for {x.dtype}")
+
+    def _c_decode(self, lib, pay: int, pstride: int, sc: int, sstride: int, k: int, n: int, out: Tensor,
+                  sum_rows: bool) -> None:
+        rc = lib.decode(pay, pstride, sc, sstride, k, n, self.block, self.bits, out.data_ptr(), _DTYPE_CODE[out.dtype],
+                        n, sum_rows, _threads(k * n))
+        if rc:
+            raise RuntimeError(f"codec kernel decode failed ({rc}) for {out.dtype}")
+
+    # ---- separate payload / scales API -----------------------------------------------------------------
+    @torch.no_grad()
     def encode(self, x: Tensor) -> Encoded:
-        """Quantize ``x`` (any shape, flattened; fp32, bf16 or fp16). Raises ValueError on nan or inf."""
-        payload, scales = self._quantize(x)
-        return Encoded(payload, scales, x.numel())
+        """Quantize ``x`` (any shape, flattened; fp32, bf16 or fp16). Blocks holding nan or inf get a nan scale."""
+        x = _check_float(x, "x").view(-1)
+        n = x.numel()
+        payload = torch.empty(self.payload_numel(n), dtype=self.payload_dtype, device=x.device)
+        scales = torch.empty(self.scales_numel(n), dtype=torch.float32, device=x.device)
+        self._encode_flat(x, payload, scales)
+        return Encoded(payload, scales, n)
 
+    @torch.no_grad()
     def encode_into(self, x: Tensor, payload_out: Tensor, scales_out: Tensor) -> None:
         """Quantize ``x`` into preallocated flat buffers (e.g. this rank's slice of an all-gather input)."""
+        x = _check_float(x, "x").view(-1)
         n = x.numel()
         if payload_out.numel() != self.payload_numel(n) or payload_out.dtype != self.payload_dtype:
             raise ValueError(f"payload_out must hold {self.payload_numel(n)} {self.payload_dtype} values, "
@@ -136,11 +354,22 @@ class BlockCodec:
         if scales_out.numel() != self.scales_numel(n) or scales_out.dtype != torch.float32:
             raise ValueError(f"scales_out must hold {self.scales_numel(n)} float32 values, "
                              f"got {scales_out.numel()} {scales_out.dtype}")
-        payload, scales = self._quantize(x)
-        payload_out.view(-1).copy_(payload)
-        scales_out.view(-1).copy_(scales)
+        if payload_out.is_contiguous() and scales_out.is_contiguous():
+            self._encode_flat(x, payload_out, scales_out)
+            return
+        enc = self.encode(x)
+        payload_out.copy_(enc.payload.view(payload_out.shape))
+        scales_out.copy_(enc.scales.view(scales_out.shape))
 
-    # ---- decode ----------------------------------------------------------------------------------
+    def _encode_flat(self, x: Tensor, payload: Tensor, scales: Tensor) -> None:
+        n = x.numel()
+        lib = _cpu_lib(x, x.dtype)
+        if lib is not None and payload.device.type == "cpu" and scales.device.type == "cpu":
+            self._c_encode(lib, x, 1, n, None, payload.data_ptr(), 0, scales.data_ptr(), 0, 0)
+        else:
+            self._ref_encode_rows(x, 1, n, None, payload.view(torch.uint8).view(1, payload.numel()),
+                                  scales.view(torch.uint8).view(1, 4 * scales.numel()), None)
+
     @torch.no_grad()
     def decode_chunks(self, payload_all: Tensor, scales_all: Tensor, k: int, numel_per_chunk: int,
                       dtype: torch.dtype = torch.float32, out: Tensor | None = None) -> Tensor:
@@ -151,19 +380,26 @@ class BlockCodec:
         if payload_all.numel() != k * p or scales_all.numel() != k * nb:
             raise ValueError(f"{k} chunks of {n} values need {k * p} payload and {k * nb} scale elements, "
                              f"got {payload_all.numel()} and {scales_all.numel()}")
-        payload = payload_all.reshape(k, p)
-        if self.bits == 8:
-            q = payload.float()
-        else:
-            q = torch.stack([payload & 0xF, payload >> 4], dim=2).view(k, 2 * p).float() - 8
-        if q.shape[1] != nb * self.block:  # re-pad to whole blocks so the scales broadcast
-            q = torch.cat([q, q.new_zeros(k, nb * self.block - q.shape[1])], dim=1)
-        x = (q.view(k, nb, self.block) * scales_all.reshape(k, nb, 1).float()).view(k, -1)[:, :n].reshape(-1)
-        if out is None:
-            return x.to(dtype)
-        if out.numel() != k * n:
+        if out is not None and out.numel() != k * n:
             raise ValueError(f"out must hold {k * n} values, got {out.numel()}")
-        out.view(-1).copy_(x)
+        target_dtype = out.dtype if out is not None else dtype
+        if target_dtype not in _FLOATS:
+            raise ValueError(f"can only decode to float32, bfloat16 or float16, got {target_dtype}")
+        payload_all = payload_all if payload_all.is_contiguous() else payload_all.contiguous()
+        if scales_all.dtype != torch.float32 or not scales_all.is_contiguous():
+            scales_all = scales_all.to(torch.float32).contiguous()
+        direct = out is not None and out.is_contiguous() and out.device == payload_all.device
+        result = out if direct else torch.empty(k * n, dtype=target_dtype, device=payload_all.device)
+        lib = _cpu_lib(payload_all, target_dtype)
+        if lib is not None and scales_all.device.type == "cpu":
+            self._c_decode(lib, payload_all.data_ptr(), p, scales_all.data_ptr(), 4 * nb, k, n, result, False)
+        else:
+            self._ref_decode_rows(payload_all.view(torch.uint8).view(k, p), scales_all.view(torch.uint8).view(k, 4 * nb),
+                                  k, n, result.view(-1), None)
+        if out is None:
+            return result.view(-1)
+        if not direct:
+            out.copy_(result.view(out.shape))
         return out
 
     def decode_from(self, payload: Tensor, scales: Tensor, numel: int, dtype: torch.dtype = torch.float32,
@@ -174,6 +410,93 @@ class BlockCodec:
     def decode(self, enc: Encoded, dtype: torch.dtype = torch.float32, out: Tensor | None = None) -> Tensor:
         """The ``enc.numel`` decoded values as a flat ``dtype`` tensor, or written into ``out``."""
         return self.decode_chunks(enc.payload, enc.scales, 1, enc.numel, dtype, out)
+
+    # ---- wire API: payload and scales in one buffer, one collective ----------------------------------------
+    def _check_wire(self, wire: Tensor, k: int, n: int) -> int:
+        W = self.wire_bytes(n)
+        if wire.dtype != torch.uint8 or wire.numel() != k * W or not wire.is_contiguous():
+            raise ValueError(f"wire must be a contiguous uint8 tensor of {k} x wire_bytes({n}) = {k * W} bytes, "
+                             f"got {wire.numel()} {wire.dtype}{'' if wire.is_contiguous() else ' (non-contiguous)'}")
+        return W
+
+    def _wire_views(self, wire: Tensor, k: int, n: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(payload, scales, padding) row views of a checked wire buffer, for the reference path."""
+        P, P4 = self.payload_numel(n), self.padded_payload_bytes(n)
+        rows = wire.view(k, self.wire_bytes(n))
+        return rows[:, :P], rows[:, P4:], rows[:, P:P4] if P4 > P else None
+
+    @torch.no_grad()
+    def encode_wire(self, x: Tensor, k: int, out: Tensor | None = None, order: Order = None) -> Tensor:
+        """Encode ``x`` (k*n values) as k wire chunks in ``out`` (uint8, k * wire_bytes(n)): row i <- chunk order[i].
+
+        ``order`` (ints, or an int tensor on x's device) writes an all-to-all input in member order without a
+        permuted copy of ``x``: member i receives row i. Returns ``out`` (allocated when None).
+        """
+        x = _check_float(x, "x")
+        N = x.numel()
+        if k < 1 or N % k:
+            raise ValueError(f"x must hold k equal chunks, got {N} values for k={k}")
+        n = N // k
+        if out is None:
+            out = torch.empty(k * self.wire_bytes(n), dtype=torch.uint8, device=x.device)
+        W = self._check_wire(out, k, n)
+        if out.device != x.device:
+            raise ValueError(f"out is on {out.device}, x on {x.device}")
+        lib = _cpu_lib(x, x.dtype)
+        if lib is not None:
+            P, P4 = self.payload_numel(n), self.padded_payload_bytes(n)
+            base = out.data_ptr()
+            self._c_encode(lib, x, k, n, order, base, W, base + P4, W, P4 - P)
+        elif (tk := _gpu_lib(x)) is not None:
+            tk.encode_wire(self, x.view(-1), k, n, out, _order_index(order, k, x.device))
+        else:
+            self._ref_encode_rows(x.view(-1), k, n, order, *self._wire_views(out, k, n))
+        return out
+
+    @torch.no_grad()
+    def decode_wire(self, wire: Tensor, k: int, n: int, out: Tensor | None = None,
+                    dtype: torch.dtype = torch.float32) -> Tensor:
+        """Decode k wire chunks of n values into flat ``out`` (k*n values, any float dtype; a new ``dtype`` tensor
+        when None). Returns ``out``."""
+        W = self._check_wire(wire, k, n)
+        if out is None:
+            out = torch.empty(k * n, dtype=dtype, device=wire.device)
+        if out.numel() != k * n or out.dtype not in _FLOATS or out.device != wire.device:
+            raise ValueError(f"out must hold {k * n} float32, bfloat16 or float16 values on {wire.device}, "
+                             f"got {out.numel()} {out.dtype} on {out.device}")
+        target = out if out.is_contiguous() else torch.empty(k * n, dtype=out.dtype, device=out.device)
+        lib = _cpu_lib(wire, out.dtype)
+        if lib is not None:
+            base = wire.data_ptr()
+            self._c_decode(lib, base, W, base + self.padded_payload_bytes(n), W, k, n, target, False)
+        elif (tk := _gpu_lib(wire)) is not None:
+            tk.decode_wire(self, wire, k, n, target.view(-1))
+        else:
+            pay, sc, _ = self._wire_views(wire, k, n)
+            self._ref_decode_rows(pay, sc, k, n, target.view(-1), None)
+        if target is not out:
+            out.copy_(target.view(out.shape))
+        return out
+
+    @torch.no_grad()
+    def decode_wire_sum(self, wire: Tensor, k: int, n: int, out: Tensor | None = None) -> Tensor:
+        """Decode k wire chunks of n values and add them in fp32, row 0 first, in one pass: the receive side of a
+        quantized reduce-scatter. Returns ``out`` (n fp32 values, allocated when None)."""
+        W = self._check_wire(wire, k, n)
+        if out is None:
+            out = torch.empty(n, dtype=torch.float32, device=wire.device)
+        if out.numel() != n or out.dtype != torch.float32 or not out.is_contiguous() or out.device != wire.device:
+            raise ValueError(f"out must be a contiguous float32 tensor of {n} values on {wire.device}")
+        lib = _cpu_lib(wire, torch.float32)
+        if lib is not None:
+            base = wire.data_ptr()
+            self._c_decode(lib, base, W, base + self.padded_payload_bytes(n), W, k, n, out, True)
+        elif (tk := _gpu_lib(wire)) is not None:
+            tk.decode_wire_sum(self, wire, k, n, out.view(-1))
+        else:
+            pay, sc, _ = self._wire_views(wire, k, n)
+            self._ref_decode_rows(pay, sc, k, n, None, out.view(-1))
+        return out
 
 
 INT8 = BlockCodec(8, DEFAULT_BLOCKS[8])
@@ -188,3 +511,48 @@ def codec_from_spec(spec: str) -> BlockCodec:
                          f"with BLOCK a positive integer (defaults: int8 {DEFAULT_BLOCKS[8]}, int4 {DEFAULT_BLOCKS[4]})")
     bits = int(m.group(1))
     return BlockCodec(bits, int(m.group(2)) if m.group(2) else DEFAULT_BLOCKS[bits])
+
+
+def same_bits(a: Tensor, b: Tensor) -> bool:
+    """Equal bit for bit, except that any nan equals any nan (a nan's payload bits are not part of the format)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype in _FLOATS:
+        na, nb_ = torch.isnan(a), torch.isnan(b)
+        if not torch.equal(na, nb_):
+            return False
+        ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[a.dtype]
+        a, b = a.masked_fill(na, 0).view(ints), b.masked_fill(nb_, 0).view(ints)
+    return torch.equal(a, b)
+
+
+def _self_check(lib) -> str | None:
+    """Run the fused kernels on a small awkward input against the reference; None if they agree bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    k, n, order = 3, 203, [2, 0, 1]
+    for codec in (BlockCodec(8, 48), BlockCodec(4, 64), BlockCodec(4, 37), BlockCodec(8, 5)):
+        W, P, P4 = codec.wire_bytes(n), codec.payload_numel(n), codec.padded_payload_bytes(n)
+        for dtype in _FLOATS:
+            if dtype is torch.float16 and not lib.has_f16:
+                continue
+            x = (torch.randn(k * n, generator=g) * 3).to(dtype)
+            x[7], x[300], x[400:420] = float("nan"), float("inf"), 0.0
+            fused, ref = torch.empty(k * W, dtype=torch.uint8), torch.empty(k * W, dtype=torch.uint8)
+            codec._c_encode(lib, x, k, n, order, fused.data_ptr(), W, fused.data_ptr() + P4, W, P4 - P)
+            codec._ref_encode_rows(x, k, n, order, *codec._wire_views(ref, k, n))
+            if not torch.equal(fused, ref):
+                return f"encode {codec.spec} {dtype}"
+            pay, sc, _ = codec._wire_views(ref, k, n)
+            values = codec._ref_decode(pay, sc.contiguous().view(torch.float32), n)
+            for out_dtype in _FLOATS:
+                if out_dtype is torch.float16 and not lib.has_f16:
+                    continue
+                out = torch.empty(k * n, dtype=out_dtype)
+                codec._c_decode(lib, fused.data_ptr(), W, fused.data_ptr() + P4, W, k, n, out, False)
+                if not same_bits(out, values.view(-1).to(out_dtype)):
+                    return f"decode {codec.spec} {dtype} -> {out_dtype}"
+            total = torch.empty(n)
+            codec._c_decode(lib, fused.data_ptr(), W, fused.data_ptr() + P4, W, k, n, total, True)
+            if not same_bits(total, values[0] + values[1] + values[2]):
+                return f"decode_wire_sum {codec.spec} {dtype}"
+    return None

@@ -1,0 +1,99 @@
+"""Codec throughput against memcpy: does quantizing pay for itself on this CPU?
+
+Definition. For a flat tensor of N values of dtype D (fp32 or bf16), split into K = 8 equal chunks as a qgZ hop or
+a qwZ gather would:
+
+- memcpy GB/s   = N * sizeof(D) / time of ``y.copy_(x)``
+- encode GB/s   = N * sizeof(D) / time of ``codec.encode_wire(x, K, wire, order)`` (order reversed, as an all-to-all)
+- decode GB/s   = N * sizeof(D) / time of ``codec.decode_wire(wire, K, N // K, out)`` (out of dtype D)
+- sum GB/s      = N * sizeof(D) / time of ``codec.decode_wire_sum(wire, K, N // K)`` (qgZ's receive side)
+- e+d vs memcpy = time(memcpy) / (time(encode) + time(decode)), in percent: the codec's round trip moves the input's
+  bytes at that fraction of the speed of copying them.
+
+Every time is the best of ``--reps`` runs after two warm-up runs (the machine is shared, so the best run is the
+least disturbed one). ``torch.set_num_threads(T)`` applies to memcpy and the codecs alike, for each T in
+``--threads``.
+
+    .venv/bin/python benchmarks/codec_throughput.py                 # fused kernels (the default backend)
+    TIERSHARD_CODEC_KERNELS=torch .venv/bin/python benchmarks/codec_throughput.py --sizes 1M   # reference path
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+
+from tiershard.comm.codecs import INT4, INT8, BlockCodec, kernel_status
+
+K = 8
+
+
+def _size(text: str) -> int:
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * mult[text[-1].upper()] if text[-1].upper() in mult else int(text)
+
+
+def _best(fn, reps: int) -> float:
+    fn()
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure(codec: BlockCodec, n: int, dtype: torch.dtype, reps: int) -> dict[str, float]:
+    """Seconds for memcpy, encode, decode and decode-sum of n values of dtype (K chunks)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=g).to(dtype)
+    y = torch.empty_like(x)
+    chunk = n // K
+    wire = torch.empty(K * codec.wire_bytes(chunk), dtype=torch.uint8)
+    out = torch.empty_like(x)
+    total = torch.empty(chunk)
+    order = list(reversed(range(K)))
+    return {
+        "memcpy": _best(lambda: y.copy_(x), reps),
+        "encode": _best(lambda: codec.encode_wire(x, K, wire, order), reps),
+        "decode": _best(lambda: codec.decode_wire(wire, K, chunk, out), reps),
+        "sum": _best(lambda: codec.decode_wire_sum(wire, K, chunk, total), reps),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", nargs="+", default=["64K", "1M", "16M"], help="values per tensor (K, M suffixes)")
+    ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+
+    status = kernel_status()
+    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}; codec backend (cpu): {status['cpu']}")
+    print(f"GB/s of input bytes (N values x dtype size), {K} chunks, best of {args.reps}; "
+          f"e+d = memcpy time / (encode + decode time)")
+    header = (f"{'threads':>7} {'values':>9} {'dtype':>8} {'codec':>9} {'memcpy':>8} {'encode':>8} {'decode':>8} "
+              f"{'sum':>8} {'e+d/memcpy':>10}")
+    print(header)
+    print("-" * len(header))
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for size in args.sizes:
+            n = _size(size) // K * K
+            for dname in args.dtypes:
+                dtype = getattr(torch, dname)
+                nbytes = n * dtype.itemsize
+                for codec in (INT8, INT4):
+                    t = measure(codec, n, dtype, args.reps)
+                    gbs = {key: nbytes / sec / 1e9 for key, sec in t.items()}
+                    ratio = 100 * t["memcpy"] / (t["encode"] + t["decode"])
+                    print(f"{threads:>7} {size:>9} {dname:>8} {codec.spec:>9} {gbs['memcpy']:>8.1f} {gbs['encode']:>8.1f} "
+                          f"{gbs['decode']:>8.1f} {gbs['sum']:>8.1f} {ratio:>9.0f}%", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,578 @@
+"""Fused CPU kernels for the block codecs: one C file, compiled with the system C compiler on first use, cached.
+
+Why C through ``ctypes`` rather than a torch extension: the kernels need no torch headers, so a build takes under a
+second with only ``gcc`` (``torch.utils.cpp_extension`` takes about a minute and needs ninja), and one build serves
+any torch version. The library is keyed by its source, the flags, the compiler and this CPU's feature flags
+(``-march=native``), so a cache shared between machines never hands one CPU a binary built for another. Nothing is
+built at import: ``load()`` runs on the first encode or decode of a CPU tensor.
+
+Each encode or decode is one call: a pass over the input per block (the block stays in L1 between its absmax and
+its quantization), no fp32 copy, no padding, no Python loop over chunks; work is split into units of about 8192
+values across ``torch.get_num_threads()`` OpenMP threads (the library shares torch's OpenMP runtime). The ctypes
+call releases the GIL.
+
+When no compiler works, ``load()`` returns None and the codecs use their torch path, which gives the same bits;
+``codecs.py`` checks the library against that path before its first use.
+
+Environment: ``CC`` (compiler, default ``gcc`` then ``cc``), ``TIERSHARD_CACHE_DIR`` (default
+``$XDG_CACHE_HOME/tiershard`` or ``~/.cache/tiershard``).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+__all__ = ["Kernels", "load", "build", "status", "DTYPE_CODES"]
+
+DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
+
+# Tried in order; the first that compiles and loads is used. Without -march=native the compiler still vectorizes
+# for the baseline ISA; without OpenMP every call runs on the calling thread.
+FLAG_SETS: tuple[tuple[str, ...], ...] = (("-march=native", "-fopenmp"), ("-march=native",), ("-fopenmp",), ())
+_BASE_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fno-strict-aliasing", "-ffp-contract=off")
+
+_SOURCE = r"""
+/* Block codec kernels: symmetric absmax int8 / packed int4 with fp32 scales (format: tiershard/comm/codecs.py).
+   Results equal the torch reference bit for bit: fp32 division, round half to even, clamp, fp32 multiply, and
+   round-to-nearest-even conversions to bf16 / fp16. One AVX-512 path, and plain loops the compiler vectorizes
+   for every other target. */
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define TS_AVX512 1
+#include <immintrin.h>
+#else
+#define TS_AVX512 0
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+#endif
+
+#define DT_F32 0
+#define DT_BF16 1
+#define DT_F16 2
+#define TILE 4096  /* values staged at a time: even, so int4 bytes never straddle two tiles */
+
+#if defined(__FLT16_MAX__)
+#define TS_HAVE_F16 1
+typedef _Float16 ts_half;
+#else
+#define TS_HAVE_F16 0
+#endif
+
+static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
+    uint32_t u = f32_bits(f);
+    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+#if TS_HAVE_F16
+static inline float f16_to_f32(uint16_t b) { ts_half h; memcpy(&h, &b, 2); return (float)h; }
+static inline uint16_t f32_to_f16(float f) { ts_half h = (ts_half)f; uint16_t b; memcpy(&b, &h, 2); return b; }
+#endif
+static inline float load_scale(const uint8_t* sc, int64_t j) { float f; memcpy(&f, sc + 4 * j, 4); return f; }
+static inline uint8_t quant1(float x, float scale, int32_t qmax, int32_t off) {
+    int32_t v = (int32_t)rintf(x / scale);
+    v = v > qmax ? qmax : v; v = v < -qmax ? -qmax : v;
+    return (uint8_t)(v + off);
+}
+static inline float dq1(uint8_t q, int32_t off, float s) { return (float)(off ? (int32_t)q - off : (int32_t)(int8_t)q) * s; }
+
+/* Largest |x| as bits: the bit patterns of |x| order like the values, with inf and nan above every finite one, so
+   one integer max gives both the scale and whether the block is non-finite. */
+static uint32_t absbits32(const uint32_t* restrict u, int64_t m);
+static uint16_t absbits16(const uint16_t* restrict u, int64_t m);
+/* q[i] = clamp(round_half_even(x[i] / scale), -qmax, qmax) + off as bytes (off 0: int8, 8: int4 offset nibbles). */
+static void quant_n(const void* restrict x, int dt, int64_t m, float scale, int32_t qmax, int32_t off, uint8_t* restrict q);
+/* Two offset nibbles (1..15) per byte, value 2i in the low nibble, and back. */
+static void pack4(const uint8_t* restrict q, int64_t pairs, uint8_t* restrict dst);
+static void unpack4(const uint8_t* restrict p, int64_t nbytes, uint8_t* restrict q);
+/* o[i] = (q[i] - off) * s, stored as dt (add: added to fp32 o). */
+static void dq_n(const uint8_t* restrict q, int32_t off, int64_t m, float s, void* restrict o, int dt, int add);
+
+#if TS_AVX512
+static inline __mmask16 tail16(int64_t r) { return (__mmask16)((1u << r) - 1u); }
+static uint32_t absbits32(const uint32_t* restrict u, int64_t m) {
+    const __m512i lo31 = _mm512_set1_epi32(0x7fffffff);
+    __m512i a = _mm512_setzero_si512();
+    int64_t i = 0;
+    for (; i + 16 <= m; i += 16) a = _mm512_max_epu32(a, _mm512_and_si512(_mm512_loadu_si512(u + i), lo31));
+    if (i < m) a = _mm512_max_epu32(a, _mm512_and_si512(_mm512_maskz_loadu_epi32(tail16(m - i), u + i), lo31));
+    return _mm512_reduce_max_epu32(a);
+}
+static uint16_t absbits16(const uint16_t* restrict u, int64_t m) {
+    const __m512i lo15 = _mm512_set1_epi32(0x7fff);
+    __m512i a = _mm512_setzero_si512();
+    int64_t i = 0;
+    for (; i + 16 <= m; i += 16)
+        a = _mm512_max_epu32(a, _mm512_and_si512(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(u + i))), lo15));
+    if (i < m) a = _mm512_max_epu32(a, _mm512_and_si512(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(tail16(m - i), u + i)), lo15));
+    return (uint16_t)_mm512_reduce_max_epu32(a);
+}
+static inline __m512 load16(const void* x, int dt, int64_t i, __mmask16 k) {
+    if (dt == DT_F32) return _mm512_maskz_loadu_ps(k, (const float*)x + i);
+    __m256i h = _mm256_maskz_loadu_epi16(k, (const uint16_t*)x + i);
+    if (dt == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+static inline void quant16(const void* x, int dt, int64_t i, __mmask16 k, __m512 vs, __m512i lo, __m512i hi, __m512i off, uint8_t* q) {
+    __m512i v = _mm512_cvt_roundps_epi32(_mm512_div_ps(load16(x, dt, i, k), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(v, lo), hi), off);
+    _mm_mask_storeu_epi8(q + i, k, _mm512_cvtepi32_epi8(v));
+}
+static void quant_n(const void* restrict x, int dt, int64_t m, float scale, int32_t qmax, int32_t off, uint8_t* restrict q) {
+    const __m512 vs = _mm512_set1_ps(scale);
+    const __m512i lo = _mm512_set1_epi32(-qmax), hi = _mm512_set1_epi32(qmax), vo = _mm512_set1_epi32(off);
+    int64_t i = 0;
+    for (; i + 16 <= m; i += 16) quant16(x, dt, i, 0xFFFF, vs, lo, hi, vo, q);
+    if (i < m) quant16(x, dt, i, tail16(m - i), vs, lo, hi, vo, q);
+}
+static void pack4(const uint8_t* restrict q, int64_t pairs, uint8_t* restrict dst) {
+    int64_t p = 0;
+    for (; p + 32 <= pairs; p += 32) {
+        __m512i u = _mm512_loadu_si512(q + 2 * p);
+        _mm256_storeu_si256((__m256i*)(dst + p), _mm512_cvtepi16_epi8(_mm512_or_si512(u, _mm512_srli_epi16(u, 4))));
+    }
+    for (; p < pairs; p++) dst[p] = (uint8_t)(q[2 * p] | (q[2 * p + 1] << 4));
+}
+static void unpack4(const uint8_t* restrict p, int64_t nbytes, uint8_t* restrict q) {
+    const __m512i m0f = _mm512_set1_epi16(0x0f), mf0 = _mm512_set1_epi16(0xf0);
+    int64_t t = 0;
+    for (; t + 32 <= nbytes; t += 32) {
+        __m512i u = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(p + t)));
+        _mm512_storeu_si512(q + 2 * t, _mm512_or_si512(_mm512_and_si512(u, m0f), _mm512_slli_epi16(_mm512_and_si512(u, mf0), 4)));
+    }
+    for (; t < nbytes; t++) { q[2 * t] = p[t] & 15u; q[2 * t + 1] = p[t] >> 4; }
+}
+static inline void dq16(const uint8_t* q, int32_t off, int64_t i, __mmask16 k, __m512 vs, void* o, int dt, int add) {
+    __m128i b = _mm_maskz_loadu_epi8(k, q + i);
+    __m512i v = off ? _mm512_sub_epi32(_mm512_cvtepu8_epi32(b), _mm512_set1_epi32(off)) : _mm512_cvtepi8_epi32(b);
+    __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(v), vs);
+    if (add) { float* of = (float*)o + i; _mm512_mask_storeu_ps(of, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, of), f)); }
+    else if (dt == DT_F32) _mm512_mask_storeu_ps((float*)o + i, k, f);
+    else if (dt == DT_BF16) {
+        __m512i u = _mm512_castps_si512(f);
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                                       _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+        r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));
+        _mm256_mask_storeu_epi16((uint16_t*)o + i, k, _mm512_cvtepi32_epi16(r));
+    } else _mm256_mask_storeu_epi16((uint16_t*)o + i, k, _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+static void dq_n(const uint8_t* restrict q, int32_t off, int64_t m, float s, void* restrict o, int dt, int add) {
+    const __m512 vs = _mm512_set1_ps(s);
+    int64_t i = 0;
+    for (; i + 16 <= m; i += 16) dq16(q, off, i, 0xFFFF, vs, o, dt, add);
+    if (i < m) dq16(q, off, i, tail16(m - i), vs, o, dt, add);
+}
+
+/* Whole blocks whose size is a multiple of 16 (int8) or 32 (int4): no tails, no staging, int4 packed in registers. */
+#define TS_FAST_BLOCKS 1
+static inline __m512i absbits16v(const void* x, int dt, int64_t i) {
+    if (dt == DT_F32) return _mm512_and_si512(_mm512_loadu_si512((const float*)x + i), _mm512_set1_epi32(0x7fffffff));
+    return _mm512_and_si512(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)x + i))), _mm512_set1_epi32(0x7fff));
+}
+static inline __m512i q16v(const void* x, int dt, int64_t i, __m512 vs, __m512i lo, __m512i hi, __m512i off) {
+    __m512i v = _mm512_cvt_roundps_epi32(_mm512_div_ps(load16(x, dt, i, 0xFFFF), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(v, lo), hi), off);
+}
+static float block_scale(const char* x, int dt, int64_t m, int32_t qmax);
+static void encode_block_fast(const char* x, int dt, int64_t B, int bits, uint8_t* pay, float* scale_out) {
+    __m512i a = _mm512_setzero_si512();
+    for (int64_t i = 0; i < B; i += 16) a = _mm512_max_epu32(a, absbits16v(x, dt, i));
+    uint32_t ab = _mm512_reduce_max_epu32(a);
+    const int32_t qmax = bits == 8 ? 127 : 7;
+    float amax; int bad;
+    if (dt == DT_F32) { bad = ab >= 0x7f800000u; memcpy(&amax, &ab, 4); }
+    else if (dt == DT_BF16) { bad = ab >= 0x7f80u; amax = bf16_to_f32((uint16_t)ab); }
+    else { bad = ab >= 0x7c00u; amax = f16_to_f32((uint16_t)ab); }
+    const float scale = bad ? NAN : amax / (float)qmax;
+    *scale_out = scale;
+    if (!(scale > 0.f)) { memset(pay, bits == 8 ? 0 : 0x88, (size_t)(bits == 8 ? B : B / 2)); return; }
+    const __m512 vs = _mm512_set1_ps(scale);
+    const __m512i lo = _mm512_set1_epi32(-qmax), hi = _mm512_set1_epi32(qmax);
+    if (bits == 8) {
+        const __m512i z = _mm512_setzero_si512();
+        for (int64_t i = 0; i < B; i += 16) _mm_storeu_si128((__m128i*)(pay + i), _mm512_cvtepi32_epi8(q16v(x, dt, i, vs, lo, hi, z)));
+        return;
+    }
+    const __m512i o8 = _mm512_set1_epi32(8);
+    for (int64_t i = 0; i < B; i += 32) {
+        __m128i q0 = _mm512_cvtepi32_epi8(q16v(x, dt, i, vs, lo, hi, o8));
+        __m128i q1 = _mm512_cvtepi32_epi8(q16v(x, dt, i + 16, vs, lo, hi, o8));
+        __m256i u = _mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1);
+        _mm_storeu_si128((__m128i*)(pay + i / 2), _mm256_cvtepi16_epi8(_mm256_or_si256(u, _mm256_srli_epi16(u, 4))));
+    }
+}
+static void fill_nan(void* o, int64_t m, int dt) {
+    if (dt == DT_F32) { float* of = (float*)o; for (int64_t i = 0; i < m; i++) of[i] = NAN; }
+    else { uint16_t v = dt == DT_BF16 ? 0x7fc0 : 0x7e00, *oh = (uint16_t*)o; for (int64_t i = 0; i < m; i++) oh[i] = v; }
+}
+static inline void st16(__m512 f, void* o, int dt, int64_t i, int add) {
+    if (add) { float* of = (float*)o + i; _mm512_storeu_ps(of, _mm512_add_ps(_mm512_loadu_ps(of), f)); }
+    else if (dt == DT_F32) _mm512_storeu_ps((float*)o + i, f);
+    else if (dt == DT_BF16) {
+        __m512i u = _mm512_castps_si512(f);
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                                       _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+        _mm256_storeu_si256((__m256i*)((uint16_t*)o + i), _mm512_cvtepi32_epi16(r));  /* f is never nan here */
+    } else _mm256_storeu_si256((__m256i*)((uint16_t*)o + i), _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+/* int4 decodes through a 16-entry table per block, (nibble - 8) * scale: the same single fp32 multiply per value as
+   the reference, then one permute per 16 (fp32) or 32 (bf16, fp16) values. */
+static void decode_block_fast(const uint8_t* pay, float scale, int64_t B, int bits, void* o, int dt, int add) {
+    if (scale != scale) { fill_nan(o, B, add ? DT_F32 : dt); return; }
+    const __m512 vs = _mm512_set1_ps(scale);
+    if (bits == 8) {
+        for (int64_t i = 0; i < B; i += 16)
+            st16(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(pay + i)))), vs), o, dt, i, add);
+        return;
+    }
+    const __m512 tab = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(8))), vs);
+    if (dt == DT_F32 || add) {
+        const __m256i m0f = _mm256_set1_epi16(0x0f), mf0 = _mm256_set1_epi16(0xf0);
+        for (int64_t i = 0; i < B; i += 32) {
+            __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(pay + i / 2)));
+            __m256i w = _mm256_or_si256(_mm256_and_si256(u, m0f), _mm256_slli_epi16(_mm256_and_si256(u, mf0), 4));
+            __m512 f0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(w)), tab);
+            __m512 f1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(w, 1)), tab);
+            st16(f0, o, DT_F32, i, add);
+            st16(f1, o, DT_F32, i + 16, add);
+        }
+        return;
+    }
+    /* 16-bit outputs: the table as 16 words (twice), indexed by 32 word lanes lo0, hi0, lo1, hi1, ... */
+    __m512i t16;
+    if (dt == DT_BF16) {
+        __m512i u = _mm512_castps_si512(tab);
+        t16 = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+    } else t16 = _mm512_cvtepu16_epi32(_mm512_cvtps_ph(tab, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i words = _mm512_cvtepi32_epi16(t16);
+    const __m512i lut = _mm512_inserti64x4(_mm512_castsi256_si512(words), words, 1);
+    const __m512i m0f = _mm512_set1_epi32(0x0f), mf0 = _mm512_set1_epi32(0xf0);
+    for (int64_t i = 0; i < B; i += 32) {
+        __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(pay + i / 2)));
+        __m512i idx = _mm512_or_si512(_mm512_and_si512(d, m0f), _mm512_slli_epi32(_mm512_and_si512(d, mf0), 12));
+        _mm512_storeu_si512((uint16_t*)o + i, _mm512_permutexvar_epi16(idx, lut));
+    }
+}
+#else  /* plain loops, vectorized by the compiler where the target allows */
+static uint32_t absbits32(const uint32_t* restrict u, int64_t m) {
+    uint32_t a = 0;
+    for (int64_t i = 0; i < m; i++) { uint32_t v = u[i] & 0x7fffffffu; a = v > a ? v : a; }
+    return a;
+}
+static uint16_t absbits16(const uint16_t* restrict u, int64_t m) {
+    uint16_t a = 0;
+    for (int64_t i = 0; i < m; i++) { uint16_t v = u[i] & 0x7fffu; a = v > a ? v : a; }
+    return a;
+}
+static void quant_n(const void* restrict x, int dt, int64_t m, float scale, int32_t qmax, int32_t off, uint8_t* restrict q) {
+    if (dt == DT_F32) { const float* xf = (const float*)x; for (int64_t i = 0; i < m; i++) q[i] = quant1(xf[i], scale, qmax, off); }
+    else if (dt == DT_BF16) { const uint16_t* xh = (const uint16_t*)x; for (int64_t i = 0; i < m; i++) q[i] = quant1(bf16_to_f32(xh[i]), scale, qmax, off); }
+#if TS_HAVE_F16
+    else { const uint16_t* xh = (const uint16_t*)x; for (int64_t i = 0; i < m; i++) q[i] = quant1(f16_to_f32(xh[i]), scale, qmax, off); }
+#endif
+}
+static void pack4(const uint8_t* restrict q, int64_t pairs, uint8_t* restrict dst) {
+    for (int64_t p = 0; p < pairs; p++) dst[p] = (uint8_t)(q[2 * p] | (q[2 * p + 1] << 4));
+}
+static void unpack4(const uint8_t* restrict p, int64_t nbytes, uint8_t* restrict q) {
+    for (int64_t t = 0; t < nbytes; t++) { q[2 * t] = p[t] & 15u; q[2 * t + 1] = p[t] >> 4; }
+}
+static void dq_n(const uint8_t* restrict q, int32_t off, int64_t m, float s, void* restrict o, int dt, int add) {
+    if (add) { float* of = (float*)o; for (int64_t i = 0; i < m; i++) of[i] += dq1(q[i], off, s); }
+    else if (dt == DT_F32) { float* of = (float*)o; for (int64_t i = 0; i < m; i++) of[i] = dq1(q[i], off, s); }
+    else if (dt == DT_BF16) { uint16_t* oh = (uint16_t*)o; for (int64_t i = 0; i < m; i++) oh[i] = f32_to_bf16(dq1(q[i], off, s)); }
+#if TS_HAVE_F16
+    else { uint16_t* oh = (uint16_t*)o; for (int64_t i = 0; i < m; i++) oh[i] = f32_to_f16(dq1(q[i], off, s)); }
+#endif
+}
+#endif
+
+/* ---- encode ---- */
+static float block_scale(const char* x, int dt, int64_t m, int32_t qmax) {
+    float amax; int bad;
+    if (dt == DT_F32) { uint32_t a = absbits32((const uint32_t*)x, m); bad = a >= 0x7f800000u; memcpy(&amax, &a, 4); }
+    else {
+        uint16_t a = absbits16((const uint16_t*)x, m);
+        if (dt == DT_BF16) { bad = a >= 0x7f80u; amax = bf16_to_f32(a); }
+#if TS_HAVE_F16
+        else { bad = a >= 0x7c00u; amax = f16_to_f32(a); }
+#else
+        else { bad = 1; amax = 0.f; }
+#endif
+    }
+    return bad ? NAN : amax / (float)qmax;  /* a block holding inf or nan gets a nan scale: it decodes to nan */
+}
+
+/* Encode the values of blocks j0..j1-1 of one chunk of n values (the first one even): scales, then payload by tiles. */
+static void encode_range(const char* x, int dt, int64_t n, int64_t block, int bits, int64_t j0, int64_t j1,
+                         uint8_t* pay, uint8_t* sc) {
+    const int32_t qmax = bits == 8 ? 127 : 7, off = bits == 8 ? 0 : 8;
+    const int64_t es = dt == DT_F32 ? 4 : 2, a = j0 * block, b = j1 * block < n ? j1 * block : n;
+    uint8_t qbuf[TILE];
+    for (int64_t j = j0; j < j1; j++) {
+        const int64_t s = j * block, m = (s + block < n ? s + block : n) - s;
+        const float scale = block_scale(x + s * es, dt, m, qmax);
+        memcpy(sc + 4 * j, &scale, 4);
+    }
+    for (int64_t t = a; t < b; t += TILE) {
+        const int64_t te = t + TILE < b ? t + TILE : b;
+        uint8_t* q = bits == 8 ? pay + t : qbuf;
+        for (int64_t s = t; s < te;) {  /* the block segments inside this tile */
+            const int64_t j = s / block, e = (j + 1) * block < te ? (j + 1) * block : te;
+            const float scale = load_scale(sc, j);
+            if (scale > 0.f) quant_n(x + s * es, dt, e - s, scale, qmax, off, q + (s - t));
+            else memset(q + (s - t), off, (size_t)(e - s));  /* zero block (scale 0) or non-finite (nan) */
+            s = e;
+        }
+        if (bits == 4) {
+            int64_t cnt = te - t;
+            if (cnt & 1) qbuf[cnt++] = 8;  /* odd n: the last high nibble holds 0 */
+            pack4(qbuf, cnt / 2, pay + t / 2);
+        }
+    }
+}
+
+#ifdef TS_FAST_BLOCKS
+static int fast_block(int64_t block, int bits) { return block % (bits == 8 ? 16 : 32) == 0; }
+#endif
+
+static void encode_unit(const char* x, int dt, int64_t n, int64_t block, int bits, int64_t j0, int64_t j1,
+                        uint8_t* pay, uint8_t* sc, int64_t ppad) {
+#ifdef TS_FAST_BLOCKS
+    if (fast_block(block, bits)) {
+        const int64_t es = dt == DT_F32 ? 4 : 2;
+        int64_t j = j0;
+        for (; j < j1 && (j + 1) * block <= n; j++) {
+            float scale;
+            encode_block_fast(x + j * block * es, dt, block, bits, pay + (bits == 8 ? j * block : j * block / 2), &scale);
+            memcpy(sc + 4 * j, &scale, 4);
+        }
+        if (j < j1) encode_range(x, dt, n, block, bits, j, j1, pay, sc);
+    } else
+#endif
+    encode_range(x, dt, n, block, bits, j0, j1, pay, sc);
+    if (j1 * block >= n && ppad > 0) memset(pay + (bits == 8 ? n : (n + 1) / 2), 0, (size_t)ppad);
+}
+
+/* Blocks per work unit: about 8192 values, and an even number of values so int4 units start on a byte. */
+static int64_t group_blocks(int64_t block) {
+    int64_t g = 8192 / block;
+    if (g < 1) g = 1;
+    if ((block & 1) && (g & 1)) g++;
+    return g;
+}
+
+int ts_has_f16(void) { return TS_HAVE_F16; }
+int ts_simd(void) { return TS_AVX512 ? 512 : 0; }
+
+/* Encode k chunks of n values: chunk order[i] (or i) of x -> payload at pay + i*pstride, fp32 scales at
+   sc + i*sstride, then ppad zero bytes after each payload. */
+int ts_encode(const void* x, int dt, int64_t n, int64_t k, const int64_t* order, int64_t block, int bits,
+              uint8_t* pay, int64_t pstride, uint8_t* sc, int64_t sstride, int64_t ppad, int nthreads) {
+    if (dt == DT_F16 && !TS_HAVE_F16) return -1;
+    const int64_t nb = (n + block - 1) / block, g = group_blocks(block), nu = (nb + g - 1) / g, total = k * nu;
+    const int64_t es = dt == DT_F32 ? 4 : 2;
+    if (nb == 0) {
+        for (int64_t i = 0; i < k && ppad > 0; i++) memset(pay + i * pstride, 0, (size_t)ppad);
+        return 0;
+    }
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if(nthreads > 1 && total > 1)
+    for (int64_t t = 0; t < total; t++) {
+        const int64_t i = t / nu, u = t % nu, c = order ? order[i] : i;
+        const int64_t j1 = (u + 1) * g < nb ? (u + 1) * g : nb;
+        encode_unit((const char*)x + c * n * es, dt, n, block, bits, u * g, j1, pay + i * pstride, sc + i * sstride, ppad);
+    }
+    return 0;
+}
+
+/* ---- decode ---- */
+/* Decode the values of blocks j0..j1-1 of one chunk into o (the chunk's first value); add: accumulate into fp32. */
+static void decode_range(const uint8_t* pay, const uint8_t* sc, int64_t n, int64_t block, int bits,
+                         int64_t j0, int64_t j1, char* o, int dt, int add) {
+    const int64_t es = add || dt == DT_F32 ? 4 : 2, a = j0 * block, b = j1 * block < n ? j1 * block : n;
+    const int32_t off = bits == 8 ? 0 : 8;
+    uint8_t qbuf[TILE];
+    for (int64_t t = a; t < b; t += TILE) {
+        const int64_t te = t + TILE < b ? t + TILE : b;
+        const uint8_t* q = pay + t;
+        if (bits == 4) { unpack4(pay + t / 2, (te - t + 1) / 2, qbuf); q = qbuf; }
+        for (int64_t s = t; s < te;) {
+            const int64_t j = s / block, e = (j + 1) * block < te ? (j + 1) * block : te;
+            dq_n(q + (s - t), off, e - s, load_scale(sc, j), o + s * es, dt, add);
+            s = e;
+        }
+    }
+}
+
+static void decode_unit(const uint8_t* pay, const uint8_t* sc, int64_t n, int64_t block, int bits,
+                        int64_t j0, int64_t j1, char* o, int dt, int add) {
+#ifdef TS_FAST_BLOCKS
+    if (fast_block(block, bits)) {
+        const int64_t es = add || dt == DT_F32 ? 4 : 2;
+        int64_t j = j0;
+        for (; j < j1 && (j + 1) * block <= n; j++)
+            decode_block_fast(pay + (bits == 8 ? j * block : j * block / 2), load_scale(sc, j), block, bits,
+                              o + j * block * es, dt, add);
+        if (j < j1) decode_range(pay, sc, n, block, bits, j, j1, o, dt, add);
+        return;
+    }
+#endif
+    decode_range(pay, sc, n, block, bits, j0, j1, o, dt, add);
+}
+
+/* sum == 0: chunk i -> out + i * ostride values of dtype dt. sum == 1: out (fp32, n values) = the k chunks added
+   in order i = 0..k-1. */
+int ts_decode(const uint8_t* pay, int64_t pstride, const uint8_t* sc, int64_t sstride, int64_t k, int64_t n,
+              int64_t block, int bits, void* out, int dt, int64_t ostride, int sum, int nthreads) {
+    if (dt == DT_F16 && !TS_HAVE_F16) return -1;
+    if (sum && dt != DT_F32) return -2;
+    const int64_t nb = (n + block - 1) / block, g = group_blocks(block), nu = (nb + g - 1) / g;
+    const int64_t es = dt == DT_F32 ? 4 : 2;
+    if (sum) {
+        if (k == 0) { memset(out, 0, (size_t)(n * 4)); return 0; }
+        #pragma omp parallel for schedule(static) num_threads(nthreads) if(nthreads > 1 && nu > 1)
+        for (int64_t u = 0; u < nu; u++) {
+            const int64_t j1 = (u + 1) * g < nb ? (u + 1) * g : nb;
+            for (int64_t i = 0; i < k; i++)
+                decode_unit(pay + i * pstride, sc + i * sstride, n, block, bits, u * g, j1, (char*)out, DT_F32, i > 0);
+        }
+        return 0;
+    }
+    const int64_t total = k * nu;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if(nthreads > 1 && total > 1)
+    for (int64_t t = 0; t < total; t++) {
+        const int64_t i = t / nu, u = t % nu, j1 = (u + 1) * g < nb ? (u + 1) * g : nb;
+        decode_unit(pay + i * pstride, sc + i * sstride, n, block, bits, u * g, j1, (char*)out + i * ostride * es, dt, 0);
+    }
+    return 0;
+}
+"""
+
+
+class Kernels:
+    """A loaded kernel library and how it was built.
+
+    ``encode(x, dtype_code, n, k, order, block, bits, payload, payload_stride, scales, scales_stride, pad, threads)``
+    encodes k chunks of n values (chunk ``order[i]`` of x, or i; ``order`` an int64 array address or None) into row
+    i of the payload and scale buffers (addresses and byte strides), then ``pad`` zero bytes after each payload.
+    ``decode(payload, payload_stride, scales, scales_stride, k, n, block, bits, out, dtype_code, out_stride, sum,
+    threads)`` decodes row i to ``out + i * out_stride`` values, or with ``sum`` adds the k rows into n fp32 values,
+    row 0 first. Both are the raw ctypes functions (a Python wrapper would double the call's cost) and return 0,
+    or a negative code for an unsupported dtype.
+    """
+
+    def __init__(self, path: Path, flags: tuple[str, ...]):
+        lib = ctypes.CDLL(str(path))
+        v, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.ts_encode.argtypes = [v, i32, i64, i64, v, i64, i32, v, i64, v, i64, i64, i32]
+        lib.ts_encode.restype = i32
+        lib.ts_decode.argtypes = [v, i64, v, i64, i64, i64, i64, i32, v, i32, i64, i32, i32]
+        lib.ts_decode.restype = i32
+        lib.ts_has_f16.restype = i32
+        lib.ts_simd.restype = i32
+        self._lib, self.path, self.flags = lib, path, flags
+        self.encode, self.decode = lib.ts_encode, lib.ts_decode
+        self.has_f16 = bool(lib.ts_has_f16())
+        self.simd = "avx512" if lib.ts_simd() == 512 else "compiler-vectorized"
+
+    def __repr__(self) -> str:
+        return f"Kernels({self.simd}, flags={' '.join(self.flags) or '-'}, {self.path})"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "gcc", "cc"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_fingerprint() -> str:
+    """What -march=native depends on: the CPU's feature flags (Linux), else what platform reports."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("flags", "Features", "model name", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TIERSHARD_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "tiershard"
+
+
+def build(flags: tuple[str, ...], directory: Path | None = None) -> Kernels:
+    """Compile (or reuse a cached build of) the kernels with ``flags`` and load them; raises on any failure."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    all_flags = _BASE_FLAGS + tuple(flags)
+    key = hashlib.sha256("\0".join([_SOURCE, cc, *all_flags, platform.machine(), _cpu_fingerprint()]).encode())
+    directory = Path(directory) if directory is not None else _cache_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError:
+        directory = Path(tempfile.gettempdir()) / f"tiershard-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+        directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"codec_kernels-{key.hexdigest()[:20]}.so"
+    if not path.exists():
+        with tempfile.TemporaryDirectory(prefix="tiershard-build-") as tmp:
+            src = Path(tmp) / "codec_kernels.c"
+            src.write_text(_SOURCE)
+            out = Path(tmp) / "codec_kernels.so"
+            proc = subprocess.run([cc, *all_flags, str(src), "-o", str(out), "-lm"], capture_output=True, text=True,
+                                  timeout=300)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cc} {' '.join(all_flags)} failed: {proc.stderr.strip()[-2000:]}")
+            staged = directory / f".{path.name}.{os.getpid()}.{threading.get_ident()}"
+            shutil.copyfile(out, staged)
+            os.replace(staged, path)  # atomic: ranks building at once all end with one complete file
+    return Kernels(path, tuple(flags))
+
+
+_lock = threading.Lock()
+_loaded: Kernels | None = None
+_reason = "not loaded yet"
+_tried = False
+
+
+def load() -> Kernels | None:
+    """The kernels, built on first call with the first flag set that compiles and loads; None if none does."""
+    global _loaded, _reason, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            errors = []
+            for flags in FLAG_SETS:
+                try:
+                    _loaded = build(flags)
+                    _reason = repr(_loaded)
+                    break
+                except Exception as exc:  # noqa: BLE001 - any failure means: try the next flags, then fall back
+                    errors.append(f"[{' '.join(flags) or 'no extra flags'}] {exc}")
+            else:
+                _reason = "unavailable: " + "; ".join(errors)
+        return _loaded
+
+
+def status() -> str:
+    """How the kernels were built, or why they are not available."""
+    return _reason

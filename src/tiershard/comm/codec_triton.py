@@ -1,0 +1,250 @@
+"""Triton kernels for the codecs' wire API on CUDA tensors (format: ``codecs.py``); importing this needs ``triton``.
+
+Same arithmetic as the CPU kernels and the torch reference, so all three give the same bits: IEEE division
+(``tl.div_rn``; a plain ``/`` is an approximate division on NVIDIA GPUs), round half to even (adding and
+subtracting 1.5 * 2**23, exact for |y| < 2**22, and |x / scale| <= 2 * qmax here), fp32 multiply, and kernels
+launched with ``enable_fp_fusion=False`` so no multiply-add is contracted into an FMA (that would change the
+rounding of decode_wire_sum). Nothing here reads a value back to the host: launches only.
+
+Kernels: one program per (chunk, block) encodes a whole block when it fits in registers (int8 any block, int4 an
+even block, up to ``_FUSED_MAX`` values); otherwise one program per (chunk, block) writes the scales and a second
+kernel quantizes per value (int4 odd blocks pair values across two blocks). Decoding is one program per (chunk,
+tile of values); the sum loops over the chunks inside each program.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from .codecs import BlockCodec
+
+__all__ = ["encode_wire", "decode_wire", "decode_wire_sum", "triton"]
+
+_FUSED_MAX = 4096   # values per block that one program encodes in registers
+_SCALE_TILE = 1024  # values per step when a scale program loops over a large block
+_TILE = 1024        # values per decode / quantize program
+_FLT_MAX = 3.4028234663852886e38
+
+
+@triton.jit
+def _rne(y):
+    return (y + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _quant(x, scale, QMAX: tl.constexpr):
+    """clamp(round_half_even(x / scale)) as int32; 0 where the block is zero (scale 0) or non-finite (nan scale)."""
+    ok = scale > 0.0
+    safe = tl.where(ok, scale, 1.0)
+    q = _rne(tl.div_rn(x, safe))
+    q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+    return tl.where(ok, q, 0.0).to(tl.int32)
+
+
+@triton.jit
+def _block_scale(amax, nonfinite, QMAX: tl.constexpr):
+    return tl.where(nonfinite, float("nan"), tl.div_rn(amax, QMAX * 1.0))
+
+
+@triton.jit
+def _store_scale(row, P4, j, scale):
+    """Scale j of a row as its 4 little-endian bytes (byte stores need no alignment)."""
+    tl.store(row + P4 + 4 * j + tl.arange(0, 4),
+             ((scale.to(tl.int32, bitcast=True) >> (8 * tl.arange(0, 4))) & 0xFF).to(tl.uint8))
+
+
+@triton.jit
+def _encode_fused(x_ptr, order_ptr, out_ptr, n, block, W, P4,
+                  HAS_ORDER: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    if HAS_ORDER:
+        c = tl.load(order_ptr + i).to(tl.int64)
+    else:
+        c = i.to(tl.int64)
+    src = x_ptr + c * n
+    row = out_ptr + i.to(tl.int64) * W
+    start = j * block
+    m = tl.minimum(block, n - start)
+    QMAX: tl.constexpr = 127 if BITS == 8 else 7
+    if BITS == 8:
+        offs = tl.arange(0, BLOCK)
+        mask = offs < m
+        x = tl.load(src + start + offs, mask=mask, other=0.0).to(tl.float32)
+        ax = tl.abs(x)
+        amax = tl.max(tl.where(mask, ax, 0.0), axis=0)
+        nonfinite = tl.max(tl.where(mask & ~(ax <= _FLT_MAX), 1, 0), axis=0) > 0
+        scale = _block_scale(amax, nonfinite, QMAX)
+        q = _quant(x, scale, QMAX)
+        tl.store(row + start + offs, (q & 0xFF).to(tl.uint8), mask=mask)
+    else:
+        half = tl.arange(0, BLOCK // 2)
+        m0 = 2 * half < m
+        m1 = 2 * half + 1 < m
+        x0 = tl.load(src + start + 2 * half, mask=m0, other=0.0).to(tl.float32)
+        x1 = tl.load(src + start + 2 * half + 1, mask=m1, other=0.0).to(tl.float32)
+        a0 = tl.abs(x0)
+        a1 = tl.abs(x1)
+        amax = tl.maximum(tl.max(tl.where(m0, a0, 0.0), axis=0), tl.max(tl.where(m1, a1, 0.0), axis=0))
+        bad = tl.where(m0 & ~(a0 <= _FLT_MAX), 1, 0) + tl.where(m1 & ~(a1 <= _FLT_MAX), 1, 0)
+        scale = _block_scale(amax, tl.max(bad, axis=0) > 0, QMAX)
+        lo = _quant(x0, scale, QMAX) + 8
+        hi = tl.where(m1, _quant(x1, scale, QMAX) + 8, 8)
+        tl.store(row + start // 2 + half, (lo | (hi << 4)).to(tl.uint8), mask=m0)
+    _store_scale(row, P4, j, scale)
+
+
+@triton.jit
+def _encode_scales(x_ptr, order_ptr, out_ptr, n, block, W, P4,
+                   HAS_ORDER: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr):
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    if HAS_ORDER:
+        c = tl.load(order_ptr + i).to(tl.int64)
+    else:
+        c = i.to(tl.int64)
+    src = x_ptr + c * n
+    start = j.to(tl.int64) * block
+    m = tl.minimum(block, n - start)
+    QMAX: tl.constexpr = 127 if BITS == 8 else 7
+    amax = tl.zeros([TILE], dtype=tl.float32)
+    bad = tl.zeros([TILE], dtype=tl.int32)
+    for t in range(0, m, TILE):
+        offs = t + tl.arange(0, TILE)
+        mask = offs < m
+        a = tl.abs(tl.load(src + start + offs, mask=mask, other=0.0).to(tl.float32))
+        amax = tl.maximum(amax, tl.where(mask, a, 0.0))
+        bad = bad + tl.where(mask & ~(a <= _FLT_MAX), 1, 0)
+    scale = _block_scale(tl.max(amax, axis=0), tl.max(bad, axis=0) > 0, QMAX)
+    _store_scale(out_ptr + i.to(tl.int64) * W, P4, j, scale)
+
+
+@triton.jit
+def _load_scale(row, P4, b):
+    """Scale of block b (a tensor of block indices) from a row's uint8 bytes, little-endian."""
+    p = row + P4 + 4 * b
+    bits = (tl.load(p).to(tl.int32) | (tl.load(p + 1).to(tl.int32) << 8) | (tl.load(p + 2).to(tl.int32) << 16)
+            | (tl.load(p + 3).to(tl.int32) << 24))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _encode_values(x_ptr, order_ptr, out_ptr, n, block, W, P4,
+                   HAS_ORDER: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr):
+    """Quantize with the scales _encode_scales wrote: TILE values (int8) or TILE bytes of value pairs (int4)."""
+    i = tl.program_id(0)
+    t = tl.program_id(1)
+    if HAS_ORDER:
+        c = tl.load(order_ptr + i).to(tl.int64)
+    else:
+        c = i.to(tl.int64)
+    src = x_ptr + c * n
+    row = out_ptr + i.to(tl.int64) * W
+    offs = t.to(tl.int64) * TILE + tl.arange(0, TILE)
+    QMAX: tl.constexpr = 127 if BITS == 8 else 7
+    if BITS == 8:
+        mask = offs < n
+        x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+        s = _load_scale(row, P4, tl.where(mask, offs // block, 0))
+        tl.store(row + offs, (_quant(x, s, QMAX) & 0xFF).to(tl.uint8), mask=mask)
+    else:
+        e0 = 2 * offs
+        m0 = e0 < n
+        m1 = e0 + 1 < n
+        x0 = tl.load(src + e0, mask=m0, other=0.0).to(tl.float32)
+        x1 = tl.load(src + e0 + 1, mask=m1, other=0.0).to(tl.float32)
+        s0 = _load_scale(row, P4, tl.where(m0, e0 // block, 0))
+        s1 = _load_scale(row, P4, tl.where(m1, (e0 + 1) // block, 0))
+        lo = _quant(x0, s0, QMAX) + 8
+        hi = tl.where(m1, _quant(x1, s1, QMAX) + 8, 8)
+        tl.store(row + offs, (lo | (hi << 4)).to(tl.uint8), mask=m0)
+
+
+@triton.jit
+def _dequant(row, P4, e, mask, block, BITS: tl.constexpr):
+    """fp32 values e (a tensor of value indices) of one wire row."""
+    if BITS == 8:
+        q = tl.load(row + e, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    else:
+        b = tl.load(row + e // 2, mask=mask, other=0).to(tl.int32)
+        q = tl.where(e % 2 == 0, b & 15, b >> 4).to(tl.float32) - 8.0
+    s = _load_scale(row, P4, tl.where(mask, e // block, 0))
+    return q * s
+
+
+@triton.jit
+def _decode(wire_ptr, out_ptr, n, block, W, P4, BITS: tl.constexpr, TILE: tl.constexpr):
+    i = tl.program_id(0)
+    e = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
+    mask = e < n
+    v = _dequant(wire_ptr + i.to(tl.int64) * W, P4, e, mask, block, BITS)
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        # Round to nearest even by hand, as torch and the CPU kernels do (a nan comes from a nan scale).
+        b = v.to(tl.uint32, bitcast=True)
+        r = tl.where(v != v, 0x7FC0, (b + 0x7FFF + ((b >> 16) & 1)) >> 16)
+        tl.store(out_ptr + i.to(tl.int64) * n + e, r.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(out_ptr + i.to(tl.int64) * n + e, v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decode_sum(wire_ptr, out_ptr, k, n, block, W, P4, BITS: tl.constexpr, TILE: tl.constexpr):
+    e = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    mask = e < n
+    acc = _dequant(wire_ptr, P4, e, mask, block, BITS)
+    row = wire_ptr
+    for _ in range(1, k):  # row order, as the CPU kernels and the reference add
+        row += W  # a pointer: 64-bit arithmetic however large k * W is
+        acc = acc + _dequant(row, P4, e, mask, block, BITS)
+    tl.store(out_ptr + e, acc, mask=mask)
+
+
+def _pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def encode_wire(codec: "BlockCodec", x: Tensor, k: int, n: int, out: Tensor, order: Tensor | None) -> None:
+    """Launch the encode kernels: x (k*n values, contiguous), out (k * wire_bytes(n) uint8), order (int64 or None)."""
+    W, P, P4 = codec.wire_bytes(n), codec.payload_numel(n), codec.padded_payload_bytes(n)
+    if P4 > P:  # alignment bytes: zeroed so the wire content is deterministic
+        out.view(k, W)[:, P:P4].zero_()
+    nb = codec.scales_numel(n)
+    if nb == 0:
+        return
+    has_order = order is not None
+    order_arg = order if has_order else out  # any pointer; unused without HAS_ORDER
+    block = codec.block
+    if block <= _FUSED_MAX and (codec.bits == 8 or block % 2 == 0):
+        _encode_fused[(k, nb)](x, order_arg, out, n, block, W, P4, HAS_ORDER=has_order, BITS=codec.bits,
+                               BLOCK=max(_pow2(block), 2), enable_fp_fusion=False)
+        return
+    _encode_scales[(k, nb)](x, order_arg, out, n, block, W, P4, HAS_ORDER=has_order, BITS=codec.bits,
+                            TILE=_SCALE_TILE, enable_fp_fusion=False)
+    units = P if codec.bits == 4 else n
+    _encode_values[(k, triton.cdiv(units, _TILE))](x, order_arg, out, n, block, W, P4, HAS_ORDER=has_order,
+                                                   BITS=codec.bits, TILE=_TILE, enable_fp_fusion=False)
+
+
+def decode_wire(codec: "BlockCodec", wire: Tensor, k: int, n: int, out: Tensor) -> None:
+    """Launch the decode kernel: row i of wire -> out[i*n:(i+1)*n] in out's dtype."""
+    if n == 0 or k == 0:
+        return
+    _decode[(k, triton.cdiv(n, _TILE))](wire, out, n, codec.block, codec.wire_bytes(n),
+                                       codec.padded_payload_bytes(n), BITS=codec.bits, TILE=_TILE,
+                                       enable_fp_fusion=False)
+
+
+def decode_wire_sum(codec: "BlockCodec", wire: Tensor, k: int, n: int, out: Tensor) -> None:
+    """Launch the fused decode-and-sum kernel: out (n fp32) = rows 0..k-1 of wire, decoded and added in order."""
+    if k == 0:
+        out.zero_()
+        return
+    if n == 0:
+        return
+    _decode_sum[(triton.cdiv(n, _TILE),)](wire, out, k, n, codec.block, codec.wire_bytes(n),
+                                          codec.padded_payload_bytes(n), BITS=codec.bits, TILE=_TILE,
+                                          enable_fp_fusion=False)
