@@ -88,7 +88,7 @@ def test_tier_bytes_equal_traffic_totals_for_every_candidate(sizes):
 def test_unquantized_collectives_are_traffic_step_collectives_per_unit():
     pl = ts.Plan.parse("IIG").resolve(DGX64.topology)
     job = Job(accum=4)
-    shapes = [s for s, units in cost.comm.unit_shapes(SEVEN_B, job, DGX64.topology.fanouts()) for _ in range(units)]
+    shapes = [s for s, units in cost.comm.unit_shapes(SEVEN_B, job, DGX64.topology.chunking(pl.os)) for _ in range(units)]
     expected = traffic.total_traffic(traffic.step_collectives(pl, shapes, 2, 2, 4), DGX64.topology)
     assert cost.evaluate("IIG", SEVEN_B, DGX64, job).tier_bytes == expected
 

@@ -188,15 +188,29 @@ class Topology:
         """How many groups of the tier below each tier holds: (2, 4, 16) -> (2, 2, 4)."""
         return tuple(size // inner for inner, size in zip((1, *self.sizes), self.sizes))
 
+    def chunking(self, level: int) -> tuple[int, ...]:
+        """How a parameter's dim 0 is cut when its masters live at ``level``: by torch.chunk's rule into the
+        fan-out of each tier below ``level`` in turn, innermost first (DTensor's nested ``Shard(0)``, see
+        ``placements``), then each of those chunks into its ``world / size(level)`` slots."""
+        return (*self.fanouts()[:level], self.world_size // self.level_size(level))
+
     def placements(self, level: int) -> tuple:
-        """DTensor placements of a state at ``level`` over ``mesh``: Shard(0) on the tiers below it.
+        """DTensor placements over ``mesh`` of a state at ``level``: Shard(0) on the tiers below it.
 
         Nested ``Shard(0)`` on mesh dims ordered innermost tier first chunk dim 0 innermost tier first, which is
-        the ownership map: a rank's DTensor shard at level ``k`` is its level-``k`` chunk.
+        the ownership map: a rank's DTensor shard at level ``k`` is its level-``k`` chunk. (A single flattened
+        mesh dim cannot express it: its process group would order ranks by rank, not by chunk.)
         """
         from torch.distributed.tensor import Replicate, Shard
 
         return tuple(Shard(0) if dim < level else Replicate() for dim in range(len(self.sizes)))
+
+    def _grid(self):
+        """Ranks as a tensor whose dims are the tiers' fan-outs, innermost first: ``grid[c0, c1, ...] = rank``."""
+        import torch
+
+        grid = torch.arange(self.world_size).view(*reversed(self.fanouts()))
+        return grid.permute(*reversed(range(grid.dim()))).contiguous()
 
     @property
     def mesh(self):
@@ -247,12 +261,8 @@ class Topology:
 
     def _make_mesh(self, device_type: str):
         from torch.distributed.device_mesh import DeviceMesh
-        import torch
 
-        # rank = c0 + s0*c1 + s1*c2 ...: the row-major grid (outermost first) transposed, innermost dim first
-        grid = torch.arange(self.world_size).view(*reversed(self.fanouts()))
-        grid = grid.permute(*reversed(range(grid.dim()))).contiguous()
-        return DeviceMesh(device_type, grid, mesh_dim_names=self.names)
+        return DeviceMesh(device_type, self._grid(), mesh_dim_names=self.names)
 
     @property
     def rank(self) -> int:

@@ -153,10 +153,10 @@ def total_traffic(collectives: Sequence[Collective], topology: "Topology") -> di
     return total
 
 
-def module_shapes(model, wrap=None, fanouts: Sequence[int] = (1,)) -> list[FlatGroupShape]:
-    """The flat groups ``ts.shard(model, ..., wrap=wrap)`` would build on a topology with these ``fanouts``
-    (``Topology.fanouts()``), without a process group. A unit is assumed to run backward when it has trainable
-    parameters.
+def module_shapes(model, wrap=None, chunking: Sequence[int] = (1, 1)) -> list[FlatGroupShape]:
+    """The flat groups ``ts.shard(model, ..., wrap=wrap)`` would build for a placement whose parameters are cut
+    by ``chunking`` (``Topology.chunking(placement.os)``), without a process group. A unit is assumed to run
+    backward when it has trainable parameters.
     """
     from .runtime.layout import padded_unit_numel
     from .runtime.wrap import find_units
@@ -168,6 +168,6 @@ def module_shapes(model, wrap=None, fanouts: Sequence[int] = (1,)) -> list[FlatG
             groups[param.requires_grad].append(tuple(param.shape))
         for trainable in (True, False):
             if groups[trainable]:
-                shapes.append(FlatGroupShape(padded_unit_numel(groups[trainable], fanouts), trainable,
+                shapes.append(FlatGroupShape(padded_unit_numel(groups[trainable], chunking), trainable,
                                              backward=bool(groups[True])))
     return shapes

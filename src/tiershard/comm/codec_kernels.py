@@ -175,19 +175,69 @@ static void dq_n(const uint8_t* restrict q, int32_t off, int64_t m, float s, voi
 
 /* Whole blocks whose size is a multiple of 16 (int8) or 32 (int4): no tails, no staging, int4 packed in registers. */
 #define TS_FAST_BLOCKS 1
-static inline __m512i absbits16v(const void* x, int dt, int64_t i) {
+#define TS_INLINE static inline __attribute__((always_inline))
+TS_INLINE __m512i absbits16v(const void* x, int dt, int64_t i) {
     if (dt == DT_F32) return _mm512_and_si512(_mm512_loadu_si512((const float*)x + i), _mm512_set1_epi32(0x7fffffff));
     return _mm512_and_si512(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)x + i))), _mm512_set1_epi32(0x7fff));
 }
-static inline __m512i q16v(const void* x, int dt, int64_t i, __m512 vs, __m512i lo, __m512i hi, __m512i off) {
-    __m512i v = _mm512_cvt_roundps_epi32(_mm512_div_ps(load16(x, dt, i, 0xFFFF), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(v, lo), hi), off);
+/* round_half_even(x / scale) as int32, clamped to +-qmax only when the scale is subnormal: with a normal scale
+   |x| <= absmax gives |x / scale| <= qmax * (1 + 2**-23), which rounds to at most qmax anyway. */
+TS_INLINE __m512i qv(__m512 x, __m512 vs, int clamp, __m512i lo, __m512i hi) {
+    __m512i v = _mm512_cvt_roundps_epi32(_mm512_div_ps(x, vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return clamp ? _mm512_min_epi32(_mm512_max_epi32(v, lo), hi) : v;
 }
-static float block_scale(const char* x, int dt, int64_t m, int32_t qmax);
-static void encode_block_fast(const char* x, int dt, int64_t B, int bits, uint8_t* pay, float* scale_out) {
-    __m512i a = _mm512_setzero_si512();
-    for (int64_t i = 0; i < B; i += 16) a = _mm512_max_epu32(a, absbits16v(x, dt, i));
-    uint32_t ab = _mm512_reduce_max_epu32(a);
+/* One whole block of B values, B a multiple of 32; dt, bits and clamp are constants at every call site, so each
+   combination compiles to its own straight loop. bf16 reads 32 values per load: the low halves of the 32-bit lanes
+   are the even values and the high halves the odd ones, which for int4 are exactly the two nibbles of a byte. */
+TS_INLINE void quant_block(const char* x, const int dt, const int64_t B, const int bits, const int clamp,
+                           float scale, uint8_t* pay) {
+    const int32_t qmax = bits == 8 ? 127 : 7;
+    const __m512 vs = _mm512_set1_ps(scale);
+    const __m512i lo = _mm512_set1_epi32(-qmax), hi = _mm512_set1_epi32(qmax);
+    if (dt == DT_BF16) {
+        const __m512i himask = _mm512_set1_epi32((int)0xffff0000u);
+        for (int64_t i = 0; i < B; i += 32) {
+            __m512i v = _mm512_loadu_si512((const uint16_t*)x + i);
+            __m512i qe = qv(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), vs, clamp, lo, hi);
+            __m512i qo = qv(_mm512_castsi512_ps(_mm512_and_si512(v, himask)), vs, clamp, lo, hi);
+            if (bits == 8) {
+                __m512i w = _mm512_or_si512(_mm512_and_si512(qe, _mm512_set1_epi32(0xff)), _mm512_slli_epi32(qo, 8));
+                _mm256_storeu_si256((__m256i*)(pay + i), _mm512_cvtepi32_epi16(w));
+            } else {
+                __m512i w = _mm512_add_epi32(_mm512_add_epi32(qe, _mm512_slli_epi32(qo, 4)), _mm512_set1_epi32(0x88));
+                _mm_storeu_si128((__m128i*)(pay + i / 2), _mm512_cvtepi32_epi8(w));
+            }
+        }
+        return;
+    }
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int64_t i = 0; i < B; i += 32) {
+        __m512i q0 = qv(load16(x, dt, i, 0xFFFF), vs, clamp, lo, hi);
+        __m512i q1 = qv(load16(x, dt, i + 16, 0xFFFF), vs, clamp, lo, hi);
+        if (bits == 8) {
+            _mm_storeu_si128((__m128i*)(pay + i), _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128((__m128i*)(pay + i + 16), _mm512_cvtepi32_epi8(q1));
+        } else {
+            __m512i qe = _mm512_permutex2var_epi32(q0, even, q1), qo = _mm512_permutex2var_epi32(q0, odd, q1);
+            __m512i w = _mm512_add_epi32(_mm512_add_epi32(qe, _mm512_slli_epi32(qo, 4)), _mm512_set1_epi32(0x88));
+            _mm_storeu_si128((__m128i*)(pay + i / 2), _mm512_cvtepi32_epi8(w));
+        }
+    }
+}
+TS_INLINE void encode_block_fast_t(const char* x, const int dt, const int64_t B, const int bits, uint8_t* pay,
+                                   float* scale_out) {
+    uint32_t ab;
+    if (dt == DT_BF16) {  /* 32 values per load, max of |bits| in 16-bit lanes */
+        __m512i a = _mm512_setzero_si512();
+        for (int64_t i = 0; i < B; i += 32)
+            a = _mm512_max_epu16(a, _mm512_and_si512(_mm512_loadu_si512((const uint16_t*)x + i), _mm512_set1_epi16(0x7fff)));
+        ab = _mm512_reduce_max_epu32(_mm512_max_epu32(_mm512_and_si512(a, _mm512_set1_epi32(0xffff)), _mm512_srli_epi32(a, 16)));
+    } else {
+        __m512i a = _mm512_setzero_si512();
+        for (int64_t i = 0; i < B; i += 16) a = _mm512_max_epu32(a, absbits16v(x, dt, i));
+        ab = _mm512_reduce_max_epu32(a);
+    }
     const int32_t qmax = bits == 8 ? 127 : 7;
     float amax; int bad;
     if (dt == DT_F32) { bad = ab >= 0x7f800000u; memcpy(&amax, &ab, 4); }
@@ -195,27 +245,28 @@ static void encode_block_fast(const char* x, int dt, int64_t B, int bits, uint8_
     else { bad = ab >= 0x7c00u; amax = f16_to_f32((uint16_t)ab); }
     const float scale = bad ? NAN : amax / (float)qmax;
     *scale_out = scale;
-    if (!(scale > 0.f)) { memset(pay, bits == 8 ? 0 : 0x88, (size_t)(bits == 8 ? B : B / 2)); return; }
-    const __m512 vs = _mm512_set1_ps(scale);
-    const __m512i lo = _mm512_set1_epi32(-qmax), hi = _mm512_set1_epi32(qmax);
+    if (!(scale > 0.f)) memset(pay, bits == 8 ? 0 : 0x88, (size_t)(bits == 8 ? B : B / 2));
+    else if (scale >= 0x1p-126f) quant_block(x, dt, B, bits, 0, scale, pay);
+    else quant_block(x, dt, B, bits, 1, scale, pay);
+}
+/* Blocks [j0, j1) of whole blocks of B values (B a multiple of 32), one specialised loop per dtype and width. */
+static void encode_blocks_fast(const char* x, int dt, int64_t B, int bits, int64_t j0, int64_t j1, uint8_t* pay, uint8_t* sc) {
+    const int64_t es = dt == DT_F32 ? 4 : 2;
+#define TS_ENC_LOOP(DT, BITS) \
+    for (int64_t j = j0; j < j1; j++) { float s_; \
+        encode_block_fast_t(x + j * B * es, DT, B, BITS, pay + (BITS == 8 ? j * B : j * B / 2), &s_); memcpy(sc + 4 * j, &s_, 4); }
     if (bits == 8) {
-        const __m512i z = _mm512_setzero_si512();
-        for (int64_t i = 0; i < B; i += 16) _mm_storeu_si128((__m128i*)(pay + i), _mm512_cvtepi32_epi8(q16v(x, dt, i, vs, lo, hi, z)));
-        return;
+        if (dt == DT_F32) { TS_ENC_LOOP(DT_F32, 8) } else if (dt == DT_BF16) { TS_ENC_LOOP(DT_BF16, 8) } else { TS_ENC_LOOP(DT_F16, 8) }
+    } else {
+        if (dt == DT_F32) { TS_ENC_LOOP(DT_F32, 4) } else if (dt == DT_BF16) { TS_ENC_LOOP(DT_BF16, 4) } else { TS_ENC_LOOP(DT_F16, 4) }
     }
-    const __m512i o8 = _mm512_set1_epi32(8);
-    for (int64_t i = 0; i < B; i += 32) {
-        __m128i q0 = _mm512_cvtepi32_epi8(q16v(x, dt, i, vs, lo, hi, o8));
-        __m128i q1 = _mm512_cvtepi32_epi8(q16v(x, dt, i + 16, vs, lo, hi, o8));
-        __m256i u = _mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1);
-        _mm_storeu_si128((__m128i*)(pay + i / 2), _mm256_cvtepi16_epi8(_mm256_or_si256(u, _mm256_srli_epi16(u, 4))));
-    }
+#undef TS_ENC_LOOP
 }
 static void fill_nan(void* o, int64_t m, int dt) {
     if (dt == DT_F32) { float* of = (float*)o; for (int64_t i = 0; i < m; i++) of[i] = NAN; }
     else { uint16_t v = dt == DT_BF16 ? 0x7fc0 : 0x7e00, *oh = (uint16_t*)o; for (int64_t i = 0; i < m; i++) oh[i] = v; }
 }
-static inline void st16(__m512 f, void* o, int dt, int64_t i, int add) {
+TS_INLINE void st16(__m512 f, void* o, int dt, int64_t i, int add) {
     if (add) { float* of = (float*)o + i; _mm512_storeu_ps(of, _mm512_add_ps(_mm512_loadu_ps(of), f)); }
     else if (dt == DT_F32) _mm512_storeu_ps((float*)o + i, f);
     else if (dt == DT_BF16) {
@@ -227,10 +278,34 @@ static inline void st16(__m512 f, void* o, int dt, int64_t i, int add) {
 }
 /* int4 decodes through a 16-entry table per block, (nibble - 8) * scale: the same single fp32 multiply per value as
    the reference, then one permute per 16 (fp32) or 32 (bf16, fp16) values. */
-static void decode_block_fast(const uint8_t* pay, float scale, int64_t B, int bits, void* o, int dt, int add) {
+TS_INLINE void decode_block_fast_t(const uint8_t* pay, float scale, const int64_t B, const int bits, void* o, const int dt,
+                                   const int add) {
     if (scale != scale) { fill_nan(o, B, add ? DT_F32 : dt); return; }
     const __m512 vs = _mm512_set1_ps(scale);
     if (bits == 8) {
+        if (dt == DT_BF16 && !add) {  /* two vectors, rounded, then one permute picks their high words */
+#if defined(__AVX512BF16__)
+            if (scale >= 0x1p-126f) {  /* every nonzero output is normal, where the instruction rounds like torch */
+                for (int64_t i = 0; i < B; i += 32) {
+                    __m512 f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(pay + i)))), vs);
+                    __m512 f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(pay + i + 16)))), vs);
+                    _mm512_storeu_si512((uint16_t*)o + i, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));
+                }
+                return;
+            }
+#endif
+            const __m512i hi_words = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+                                                      31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+            const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+            for (int64_t i = 0; i < B; i += 32) {
+                __m512i u0 = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(pay + i)))), vs));
+                __m512i u1 = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(pay + i + 16)))), vs));
+                u0 = _mm512_add_epi32(_mm512_add_epi32(u0, bias), _mm512_and_si512(_mm512_srli_epi32(u0, 16), one));
+                u1 = _mm512_add_epi32(_mm512_add_epi32(u1, bias), _mm512_and_si512(_mm512_srli_epi32(u1, 16), one));
+                _mm512_storeu_si512((uint16_t*)o + i, _mm512_permutex2var_epi16(u0, hi_words, u1));
+            }
+            return;
+        }
         for (int64_t i = 0; i < B; i += 16)
             st16(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(pay + i)))), vs), o, dt, i, add);
         return;
@@ -264,6 +339,21 @@ static void decode_block_fast(const uint8_t* pay, float scale, int64_t B, int bi
         __m512i idx = _mm512_or_si512(_mm512_and_si512(d, m0f), _mm512_slli_epi32(_mm512_and_si512(d, mf0), 12));
         _mm512_storeu_si512((uint16_t*)o + i, _mm512_permutexvar_epi16(idx, lut));
     }
+}
+/* Whole blocks [j0, j1) of B values (a multiple of 32), one specialised loop per dtype, width and mode. */
+static void decode_blocks_fast(const uint8_t* pay, const uint8_t* sc, int64_t B, int bits, int64_t j0, int64_t j1,
+                               char* o, int dt, int add) {
+    const int64_t es = add || dt == DT_F32 ? 4 : 2;
+#define TS_DEC_LOOP(DT, BITS, ADD) \
+    for (int64_t j = j0; j < j1; j++) \
+        decode_block_fast_t(pay + (BITS == 8 ? j * B : j * B / 2), load_scale(sc, j), B, BITS, o + j * B * es, DT, ADD);
+    if (add) { if (bits == 8) { TS_DEC_LOOP(DT_F32, 8, 1) } else { TS_DEC_LOOP(DT_F32, 4, 1) } }
+    else if (bits == 8) {
+        if (dt == DT_F32) { TS_DEC_LOOP(DT_F32, 8, 0) } else if (dt == DT_BF16) { TS_DEC_LOOP(DT_BF16, 8, 0) } else { TS_DEC_LOOP(DT_F16, 8, 0) }
+    } else {
+        if (dt == DT_F32) { TS_DEC_LOOP(DT_F32, 4, 0) } else if (dt == DT_BF16) { TS_DEC_LOOP(DT_BF16, 4, 0) } else { TS_DEC_LOOP(DT_F16, 4, 0) }
+    }
+#undef TS_DEC_LOOP
 }
 #else  /* plain loops, vectorized by the compiler where the target allows */
 static uint32_t absbits32(const uint32_t* restrict u, int64_t m) {
@@ -345,21 +435,16 @@ static void encode_range(const char* x, int dt, int64_t n, int64_t block, int bi
 }
 
 #ifdef TS_FAST_BLOCKS
-static int fast_block(int64_t block, int bits) { return block % (bits == 8 ? 16 : 32) == 0; }
+static int fast_block(int64_t block, int bits) { (void)bits; return block % 32 == 0; }
 #endif
 
 static void encode_unit(const char* x, int dt, int64_t n, int64_t block, int bits, int64_t j0, int64_t j1,
                         uint8_t* pay, uint8_t* sc, int64_t ppad) {
 #ifdef TS_FAST_BLOCKS
     if (fast_block(block, bits)) {
-        const int64_t es = dt == DT_F32 ? 4 : 2;
-        int64_t j = j0;
-        for (; j < j1 && (j + 1) * block <= n; j++) {
-            float scale;
-            encode_block_fast(x + j * block * es, dt, block, bits, pay + (bits == 8 ? j * block : j * block / 2), &scale);
-            memcpy(sc + 4 * j, &scale, 4);
-        }
-        if (j < j1) encode_range(x, dt, n, block, bits, j, j1, pay, sc);
+        const int64_t whole = n / block, jf = j1 < whole ? j1 : whole;  /* blocks j0..jf-1 are whole */
+        if (jf > j0) encode_blocks_fast(x, dt, block, bits, j0, jf, pay, sc);
+        if (jf < j1) encode_range(x, dt, n, block, bits, jf > j0 ? jf : j0, j1, pay, sc);
     } else
 #endif
     encode_range(x, dt, n, block, bits, j0, j1, pay, sc);
@@ -420,12 +505,9 @@ static void decode_unit(const uint8_t* pay, const uint8_t* sc, int64_t n, int64_
                         int64_t j0, int64_t j1, char* o, int dt, int add) {
 #ifdef TS_FAST_BLOCKS
     if (fast_block(block, bits)) {
-        const int64_t es = add || dt == DT_F32 ? 4 : 2;
-        int64_t j = j0;
-        for (; j < j1 && (j + 1) * block <= n; j++)
-            decode_block_fast(pay + (bits == 8 ? j * block : j * block / 2), load_scale(sc, j), block, bits,
-                              o + j * block * es, dt, add);
-        if (j < j1) decode_range(pay, sc, n, block, bits, j, j1, o, dt, add);
+        const int64_t whole = n / block, jf = j1 < whole ? j1 : whole;  /* blocks j0..jf-1 are whole */
+        if (jf > j0) decode_blocks_fast(pay, sc, block, bits, j0, jf, o, dt, add);
+        if (jf < j1) decode_range(pay, sc, n, block, bits, jf > j0 ? jf : j0, j1, o, dt, add);
         return;
     }
 #endif

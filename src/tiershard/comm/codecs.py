@@ -207,8 +207,11 @@ def _order_index(order: Order, k: int, device: torch.device) -> Tensor | None:
 
 
 def _check_float(x: Tensor, what: str) -> Tensor:
+    """``x`` detached and contiguous (codecs are never differentiated; no_grad would cost a microsecond a call)."""
     if x.dtype not in _FLOATS:
         raise ValueError(f"can only encode float32, bfloat16 or float16 tensors, got {x.dtype} for {what}")
+    if x.requires_grad:
+        x = x.detach()
     return x if x.is_contiguous() else x.contiguous()
 
 
@@ -333,7 +336,6 @@ class BlockCodec:
             raise RuntimeError(f"codec kernel decode failed ({rc}) for {out.dtype}")
 
     # ---- separate payload / scales API -----------------------------------------------------------------
-    @torch.no_grad()
     def encode(self, x: Tensor) -> Encoded:
         """Quantize ``x`` (any shape, flattened; fp32, bf16 or fp16). Blocks holding nan or inf get a nan scale."""
         x = _check_float(x, "x").view(-1)
@@ -343,7 +345,6 @@ class BlockCodec:
         self._encode_flat(x, payload, scales)
         return Encoded(payload, scales, n)
 
-    @torch.no_grad()
     def encode_into(self, x: Tensor, payload_out: Tensor, scales_out: Tensor) -> None:
         """Quantize ``x`` into preallocated flat buffers (e.g. this rank's slice of an all-gather input)."""
         x = _check_float(x, "x").view(-1)
@@ -370,7 +371,6 @@ class BlockCodec:
             self._ref_encode_rows(x, 1, n, None, payload.view(torch.uint8).view(1, payload.numel()),
                                   scales.view(torch.uint8).view(1, 4 * scales.numel()), None)
 
-    @torch.no_grad()
     def decode_chunks(self, payload_all: Tensor, scales_all: Tensor, k: int, numel_per_chunk: int,
                       dtype: torch.dtype = torch.float32, out: Tensor | None = None) -> Tensor:
         """Decode ``k`` concatenated encodings of ``numel_per_chunk`` values each into one flat tensor, at once."""
@@ -425,7 +425,6 @@ class BlockCodec:
         rows = wire.view(k, self.wire_bytes(n))
         return rows[:, :P], rows[:, P4:], rows[:, P:P4] if P4 > P else None
 
-    @torch.no_grad()
     def encode_wire(self, x: Tensor, k: int, out: Tensor | None = None, order: Order = None) -> Tensor:
         """Encode ``x`` (k*n values) as k wire chunks in ``out`` (uint8, k * wire_bytes(n)): row i <- chunk order[i].
 
@@ -453,7 +452,6 @@ class BlockCodec:
             self._ref_encode_rows(x.view(-1), k, n, order, *self._wire_views(out, k, n))
         return out
 
-    @torch.no_grad()
     def decode_wire(self, wire: Tensor, k: int, n: int, out: Tensor | None = None,
                     dtype: torch.dtype = torch.float32) -> Tensor:
         """Decode k wire chunks of n values into flat ``out`` (k*n values, any float dtype; a new ``dtype`` tensor
@@ -478,7 +476,6 @@ class BlockCodec:
             out.copy_(target.view(out.shape))
         return out
 
-    @torch.no_grad()
     def decode_wire_sum(self, wire: Tensor, k: int, n: int, out: Tensor | None = None) -> Tensor:
         """Decode k wire chunks of n values and add them in fp32, row 0 first, in one pass: the receive side of a
         quantized reduce-scatter. Returns ``out`` (n fp32 values, allocated when None)."""
@@ -530,7 +527,7 @@ def _self_check(lib) -> str | None:
     """Run the fused kernels on a small awkward input against the reference; None if they agree bit for bit."""
     g = torch.Generator().manual_seed(0)
     k, n, order = 3, 203, [2, 0, 1]
-    for codec in (BlockCodec(8, 48), BlockCodec(4, 64), BlockCodec(4, 37), BlockCodec(8, 5)):
+    for codec in (BlockCodec(8, 96), BlockCodec(8, 48), BlockCodec(4, 64), BlockCodec(4, 37), BlockCodec(8, 5)):
         W, P, P4 = codec.wire_bytes(n), codec.payload_numel(n), codec.padded_payload_bytes(n)
         for dtype in _FLOATS:
             if dtype is torch.float16 and not lib.has_f16:

@@ -43,11 +43,11 @@ class Priced:
         return self.collective.op.startswith(MICRO_OPS)
 
 
-def unit_shapes(model: ModelSpec, job: Job, fanouts: tuple[int, ...]) -> list[tuple[FlatGroupShape, int]]:
+def unit_shapes(model: ModelSpec, job: Job, chunking: tuple[int, int]) -> list[tuple[FlatGroupShape, int]]:
     """Flat groups of the model and how many units share each shape (``traffic.module_shapes``'s convention).
 
     A unit's trainable and frozen parameters are separate flat groups, padded per parameter as the engine pads
-    on a topology with these ``fanouts`` (``Topology.fanouts()``); parameter shapes are exact for a spec made
+    them when cut by ``chunking`` (``Topology.chunking(os)``); parameter shapes are exact for a spec made
     ``from_module`` and one flat tensor per group otherwise. A unit runs backward when it has trainable
     parameters.
     """
@@ -55,7 +55,7 @@ def unit_shapes(model: ModelSpec, job: Job, fanouts: tuple[int, ...]) -> list[tu
     for trainable, frozen, units in model.unit_param_shapes():
         for shapes, grad in ((trainable, True), (frozen, False)):
             if shapes:
-                out.append((FlatGroupShape(padded_unit_numel(shapes, fanouts), grad, backward=bool(trainable)),
+                out.append((FlatGroupShape(padded_unit_numel(shapes, chunking), grad, backward=bool(trainable)),
                             units))
     return out
 
@@ -64,7 +64,7 @@ def plan_collectives(pl: Placement, model: ModelSpec, job: Job) -> list[Collecti
     """Every collective of one optimizer step, as ``traffic.group_collectives`` lists them (with the qwz / qgz
     wire formats: int8 gathers, per-tier int4 all-to-all hops)."""
     out: list[Collective] = []
-    for shape, units in unit_shapes(model, job, pl.topology.fanouts()):
+    for shape, units in unit_shapes(model, job, pl.topology.chunking(pl.os)):
         for c in group_collectives(pl, shape, job.param_bytes, job.reduce_bytes, job.accum):
             out.append(replace(c, count=c.count * units))
     return out

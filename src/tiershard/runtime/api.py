@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import Counter
 from typing import Iterator, Mapping
 
@@ -18,6 +19,18 @@ from .layout import ParamLayout, finest_chunks
 from .wrap import WrapPolicy, find_units
 
 __all__ = ["shard", "no_sync", "clip_grad_norm_", "full_state_dict", "load_full_state_dict", "memory_stats"]
+
+
+class _NestedShardNotice(logging.Filter):
+    """DTensor notes that nested Shard(0) placements reduce one mesh dim after another (a norm over the masters:
+    one small all-reduce per tier). That nesting is the ownership map itself (``Topology.placements``), so the
+    note tells users nothing they can act on; every other message passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "sequential" not in record.getMessage()
+
+
+logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_NestedShardNotice())
 
 
 def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPolicy = None,
@@ -50,14 +63,14 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
     _check_same_everywhere(params)
     _broadcast_buffers(model)
 
-    fanouts = topology.fanouts()
+    chunking = topology.chunking(placement.os)
     engine = Engine(model, placement, param_dtype, reduce_dtype, device)
     for spec in specs:
         groups = []
         for trainable in (True, False):
             owned = [entry for entry in spec.params if entry[0].requires_grad == trainable]
             if owned:
-                layouts = [ParamLayout(uses, names, p.shape, finest_chunks(p.shape[0], fanouts))
+                layouts = [ParamLayout(uses, names, p.shape, finest_chunks(p.shape[0], chunking))
                            for p, uses, names in owned]
                 values = _broadcast_values([p for p, _, _ in owned], device)
                 groups.append(FlatGroup(layouts, values, placement, trainable, param_dtype, reduce_dtype, device))
@@ -65,6 +78,8 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
         unit.release()          # the module shows the masters from now on
         engine.units.append(unit)
     model._tiershard = engine
+    model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: engine.settle())
+    model.register_load_state_dict_pre_hook(lambda module, *args, **kwargs: engine.settle())
     return model
 
 
@@ -128,6 +143,7 @@ def _engine(model: nn.Module) -> Engine:
     engine = getattr(model, "_tiershard", None)
     if engine is None:
         raise ValueError("this model is not sharded: call ts.shard(model, plan, topology) first")
+    engine.settle()
     return engine
 
 

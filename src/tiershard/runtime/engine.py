@@ -202,15 +202,22 @@ class Engine:
         for unit in self.units:
             yield from unit.groups
 
+    def settle(self) -> None:
+        """Outside backward, undo what a backward that raised left behind: working tensors shown in the module,
+        gathered weights, half-counted gradients (the end-of-backward callback never ran). Called at every
+        forward, by state_dict hooks and by the ts functions, so the module shows its masters again."""
+        if not self._backward_queued or _in_backward():
+            return
+        for u in self.units:
+            u.reset()
+            for group in u.groups:
+                for w in group.working:
+                    w.grad = None
+        self._backward_queued = False
+
     def before_forward(self, unit: Unit) -> None:
         """Checks at a forward outside backward: recover from a backward that raised, refresh written weights."""
-        if self._backward_queued:       # the last backward never reached its end (an exception in it)
-            for u in self.units:
-                u.reset()
-                for group in u.groups:
-                    for w in group.working:
-                        w.grad = None
-            self._backward_queued = False
+        self.settle()
         for group in unit.groups:
             for layout, master in zip(group.layouts, group.masters):
                 if master.requires_grad != group.trainable:
@@ -233,6 +240,7 @@ class Engine:
 
     def sync_stepped(self, stepped: set[int]) -> None:
         """Rebuild the working copies of every group whose masters an optimizer just stepped."""
+        self.settle()
         for group in self.groups():
             if any(id(m) in stepped for m in group.masters):
                 group.sync_params()

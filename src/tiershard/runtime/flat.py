@@ -56,8 +56,7 @@ class FlatGroup:
         self.U = plan_columns(self.layouts)
         self.S = self.W * self.U
         self.cols = [layout.cols for layout in self.layouts]
-        self.mesh = topo.mesh
-        self.os_placements = topo.placements(placement.os)
+        self.mesh, self.os_placements = topo.mesh, topo.placements(placement.os)
         self.masters = [self._make_master(layout, value) for layout, value in zip(self.layouts, values)]
         self.working = [nn.Parameter(torch.empty(layout.shape, dtype=param_dtype, device=device),
                                      requires_grad=trainable) for layout in self.layouts]
@@ -284,6 +283,7 @@ class FlatGroup:
         for i, (layout, master) in enumerate(zip(self.layouts, self.masters)):
             if self._marks[i] is not None and self._grad_mark(master) != self._marks[i]:
                 band[:, layout.offset:layout.offset + layout.cols].zero_()
+                self._marks[i] = None
 
     @staticmethod
     def _grad_mark(master: nn.Parameter):

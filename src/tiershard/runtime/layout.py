@@ -1,10 +1,11 @@
 """Where each row of each parameter sits in a unit's flat buffers: the per-parameter side of the ownership map.
 
-[Note: slot-major layout] A parameter of shape ``(d, *rest)`` is cut on dim 0 exactly as DTensor cuts it under
-nested ``Shard(0)`` placements over the tiers, innermost first (``Topology.placements``): the rows are split
-into ``fanouts[0]`` chunks with ``torch.chunk``'s rule (ceil-sized, trailing chunks short or empty), each of
-those into ``fanouts[1]``, and so on. The ``W`` finest chunks (one per rank, indexed by ``chunk_index`` at the
-top level) are padded to a common ``R`` rows, the size of the first one.
+[Note: slot-major layout] A parameter of shape ``(d, *rest)`` is cut on dim 0 as ``Topology.chunking`` says:
+into the fan-out of each tier below level ``os`` in turn with ``torch.chunk``'s rule (ceil-sized, trailing
+chunks short or empty), exactly as DTensor cuts the master under nested ``Shard(0)`` placements
+(``Topology.placements``); then each of those into its ``world / size(os)`` slots by the same rule. The ``W``
+slots (one per rank, indexed by ``chunk_index`` at the top level) are padded to a common ``R`` rows, the size
+of the first one.
 
 A unit's buffer at any level is a ``(slots, U)`` matrix in *slot-major* order: row ``c`` holds finest chunk
 ``c`` of every parameter side by side (parameter ``j`` in columns ``[offset_j, offset_j + R_j * row_j)``,
@@ -14,9 +15,10 @@ map, unchanged), and a parameter's level-``k`` DTensor shard is its column block
 rows dropped. Only the ends of the pipeline touch parameters: the copy-out of a gathered unit into
 per-parameter working tensors, the copy-in of their gradients, and the exchange with the fp32 masters.
 
-When the real rows of a band form a prefix of its padded rows (always when ``d`` divides evenly, and with one
-tier), a shard is a view of the padded block; otherwise (uneven nesting, e.g. 5 rows over 2 x 2) the rows are
-picked by index. Either way it is one copy per parameter, never per unit.
+When the real rows of a band form a prefix of its padded rows (always when ``d`` divides evenly, and always
+with one tier or replicated masters), a shard is a view of the padded block; otherwise (uneven nesting, e.g.
+5 rows cut 2 then 2) the rows are picked by index. Either way it is one copy per
+parameter, never per unit.
 """
 from __future__ import annotations
 
@@ -117,7 +119,7 @@ class Band:
 
     def pad_into(self, real: torch.Tensor, padded: torch.Tensor) -> None:
         """Write ``real`` rows into a padded block, zeroing the padding rows."""
-        real = real.reshape(self.length, -1)
+        real = real.reshape(self.length, math.prod(self.shape[1:]))
         if self.index is None:
             padded[: self.length].copy_(real)
             padded[self.length:].zero_()
@@ -135,14 +137,15 @@ def plan_columns(layouts: Sequence[ParamLayout]) -> int:
     return offset
 
 
-def padded_unit_numel(shapes: Sequence[Sequence[int]], fanouts: Sequence[int]) -> int:
-    """``S`` = slots x U for parameters of these shapes: what every flat buffer of the unit is cut from."""
-    world = math.prod(fanouts)
+def padded_unit_numel(shapes: Sequence[Sequence[int]], chunking: Sequence[int]) -> int:
+    """``S`` = slots x U for parameters of these shapes cut by ``chunking`` (``Topology.chunking``): what every
+    flat buffer of the unit is cut from."""
+    world = math.prod(chunking)
     total = 0
     for shape in shapes:
         shape = tuple(shape)
         if not shape:
             continue
-        rows = finest_chunks(shape[0], fanouts)[0][1]
+        rows = finest_chunks(shape[0], chunking)[0][1]
         total += world * rows * math.prod(shape[1:])
     return total
