@@ -4,7 +4,12 @@ Same arithmetic as the CPU kernels and the torch reference, so all three give th
 (``tl.div_rn``; a plain ``/`` is an approximate division on NVIDIA GPUs), round half to even (adding and
 subtracting 1.5 * 2**23, exact for |y| < 2**22, and |x / scale| <= 2 * qmax here), fp32 multiply, and kernels
 launched with ``enable_fp_fusion=False`` so no multiply-add is contracted into an FMA (that would change the
-rounding of decode_wire_sum). Nothing here reads a value back to the host: launches only.
+rounding of decode_wire_sum); bf16 outputs are rounded to nearest even by integer arithmetic, as torch does.
+Nothing here reads a value back to the host: launches only. Scales are read and written as fp32 through the wire
+buffer, which ``codecs.py`` only hands over when it is 4-byte aligned.
+
+``tests/test_codecs.py`` runs these kernels in Triton's CPU interpreter (``TRITON_INTERPRET=1``) against the
+reference, bit for bit, whenever ``triton`` is installed.
 
 Kernels: one program per (chunk, block) encodes a whole block when it fits in registers (int8 any block, int4 an
 even block, up to ``_FUSED_MAX`` values); otherwise one program per (chunk, block) writes the scales and a second
@@ -52,9 +57,8 @@ def _block_scale(amax, nonfinite, QMAX: tl.constexpr):
 
 @triton.jit
 def _store_scale(row, P4, j, scale):
-    """Scale j of a row as its 4 little-endian bytes (byte stores need no alignment)."""
-    tl.store(row + P4 + 4 * j + tl.arange(0, 4),
-             ((scale.to(tl.int32, bitcast=True) >> (8 * tl.arange(0, 4))) & 0xFF).to(tl.uint8))
+    """Scale j of a wire row (the caller guarantees the 4-byte alignment of the buffer; P4 and W are multiples of 4)."""
+    tl.store((row + P4).to(tl.pointer_type(tl.float32)) + j, scale)
 
 
 @triton.jit
@@ -125,11 +129,8 @@ def _encode_scales(x_ptr, order_ptr, out_ptr, n, block, W, P4,
 
 @triton.jit
 def _load_scale(row, P4, b):
-    """Scale of block b (a tensor of block indices) from a row's uint8 bytes, little-endian."""
-    p = row + P4 + 4 * b
-    bits = (tl.load(p).to(tl.int32) | (tl.load(p + 1).to(tl.int32) << 8) | (tl.load(p + 2).to(tl.int32) << 16)
-            | (tl.load(p + 3).to(tl.int32) << 24))
-    return bits.to(tl.float32, bitcast=True)
+    """Scales of blocks b (a tensor of block indices) of a wire row."""
+    return tl.load((row + P4).to(tl.pointer_type(tl.float32)) + b)
 
 
 @triton.jit

@@ -151,11 +151,11 @@ def _cpu_lib(t: Tensor, dtype: torch.dtype):
     return lib
 
 
-def _gpu_lib(t: Tensor):
-    """The Triton kernels if ``t`` is a CUDA tensor and triton imports, else None."""
-    if _force_reference or t.device.type != "cuda":
+def _gpu_lib(t: Tensor, wire: Tensor):
+    """The Triton kernels if ``t`` is a CUDA tensor, triton imports and ``wire`` is 4-byte aligned, else None."""
+    if _force_reference or t.device.type != "cuda" or wire.data_ptr() % 4:
         return None
-    return _triton_state if _triton_state is not None and _triton_state else _triton_kernels()
+    return _triton_kernels()
 
 
 def kernel_status() -> dict[str, str]:
@@ -195,15 +195,26 @@ def _check_order(order, k: int) -> list[int]:
     return values
 
 
+_ORDER_TENSORS: dict[tuple, Tensor] = {}  # (order, device) -> int64 index tensor, made once per group
+
+
 def _order_index(order: Order, k: int, device: torch.device) -> Tensor | None:
-    """``order`` as an index tensor for the torch and Triton paths (a device tensor is used unchecked: checking it
-    would wait for the device)."""
+    """``order`` as an int64 index tensor on ``device`` for the torch and Triton paths. A device tensor is used
+    unchecked (checking it would wait for the device); a list is copied to the device once and then reused."""
     if order is None:
         return None
     if isinstance(order, Tensor) and order.device.type != "cpu":
-        return order.to(torch.long)
-    values = _check_order(order.tolist() if isinstance(order, Tensor) else order, k)
-    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+        return order if order.dtype == torch.long else order.to(torch.long)
+    key = (tuple(order.tolist()) if isinstance(order, Tensor) else tuple(order), str(device))
+    index = _ORDER_TENSORS.get(key)
+    if index is None:
+        index = torch.tensor(_check_order(key[0], k), dtype=torch.long, device=device)
+        if len(_ORDER_TENSORS) > 4096:
+            _ORDER_TENSORS.clear()
+        _ORDER_TENSORS[key] = index
+    elif index.numel() != k:
+        _check_order(key[0], k)
+    return index
 
 
 def _check_float(x: Tensor, what: str) -> Tensor:
@@ -446,7 +457,7 @@ class BlockCodec:
             P, P4 = self.payload_numel(n), self.padded_payload_bytes(n)
             base = out.data_ptr()
             self._c_encode(lib, x, k, n, order, base, W, base + P4, W, P4 - P)
-        elif (tk := _gpu_lib(x)) is not None:
+        elif (tk := _gpu_lib(x, out)) is not None:
             tk.encode_wire(self, x.view(-1), k, n, out, _order_index(order, k, x.device))
         else:
             self._ref_encode_rows(x.view(-1), k, n, order, *self._wire_views(out, k, n))
@@ -467,7 +478,7 @@ class BlockCodec:
         if lib is not None:
             base = wire.data_ptr()
             self._c_decode(lib, base, W, base + self.padded_payload_bytes(n), W, k, n, target, False)
-        elif (tk := _gpu_lib(wire)) is not None:
+        elif (tk := _gpu_lib(wire, wire)) is not None:
             tk.decode_wire(self, wire, k, n, target.view(-1))
         else:
             pay, sc, _ = self._wire_views(wire, k, n)
@@ -488,7 +499,7 @@ class BlockCodec:
         if lib is not None:
             base = wire.data_ptr()
             self._c_decode(lib, base, W, base + self.padded_payload_bytes(n), W, k, n, out, True)
-        elif (tk := _gpu_lib(wire)) is not None:
+        elif (tk := _gpu_lib(wire, wire)) is not None:
             tk.decode_wire_sum(self, wire, k, n, out.view(-1))
         else:
             pay, sc, _ = self._wire_views(wire, k, n)
