@@ -114,15 +114,16 @@ def _check_same_everywhere(params) -> None:
     mine = [(names[0], tuple(p.shape)) for p, _, names in params]
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    for rank, theirs in enumerate(everyone):
-        if theirs == mine:
+    first = everyone[0]
+    for rank, theirs in enumerate(everyone):     # the same message on every rank: each compares with rank 0
+        if theirs == first:
             continue
-        for (name_a, shape_a), (name_b, shape_b) in zip(mine, theirs):
+        for (name_a, shape_a), (name_b, shape_b) in zip(first, theirs):
             if (name_a, shape_a) != (name_b, shape_b):
-                raise ValueError(f"parameter {name_a} has shape {shape_a} on rank {dist.get_rank()} but rank "
-                                 f"{rank} has {name_b} of shape {shape_b}: every rank must build the same model")
-        raise ValueError(f"rank {dist.get_rank()} has {len(mine)} parameters, rank {rank} has {len(theirs)}: "
-                         "every rank must build the same model")
+                raise ValueError(f"parameter {name_a} has shape {shape_a} on rank 0 but rank {rank} has {name_b} "
+                                 f"of shape {shape_b}: every rank must build the same model")
+        raise ValueError(f"rank 0 has {len(first)} parameters, rank {rank} has {len(theirs)}: every rank must "
+                         "build the same model")
 
 
 @torch.no_grad()
