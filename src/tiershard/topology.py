@@ -46,6 +46,15 @@ class TierGroup:
     def slot_of(self, rank: int) -> int:
         return self.slots[self.ranks.index(rank)]
 
+    @property
+    def in_rank_order(self) -> bool:
+        """Slots follow torch's group rank order: collectives can write their joint buffer directly."""
+        return self.slots == tuple(range(len(self.slots)))
+
+    @property
+    def backend(self) -> str:
+        return dist.get_backend(self.pg) if self.pg is not None else "local"
+
 
 class Topology:
     """Nested tiers of ranks; owns the process groups of every tier and cross-tier set, made once."""

@@ -1,8 +1,14 @@
 """Collectives on tier groups: pure functions over ``torch.distributed``, each recorded in the ledger.
 
-Buffers are laid out in *slot* order (the ownership map of topology.py), which is not always the group's rank
-order, so the list forms of the collectives are used with views taken in slot order; no copy is made.
-Groups of one rank are a local copy and send nothing.
+Buffers are laid out in *slot* order (the ownership map of topology.py). Torch orders a group's ranks by global
+rank, which matches the slots for a group inside one tier but not for a group spanning several (for 2 nodes of
+2, the world group's slots are 0, 2, 1, 3). There the joint buffer is permuted into rank order (one row copy)
+around the collective.
+
+Per backend, the algorithm that moves the fewest bytes: gloo's own reduce-scatter is an all-reduce (twice the
+bytes), so on gloo a reduce-scatter is a ring of point-to-point exchanges, (k-1)/k of the buffer per rank to its
+ring successor; NCCL's is already a ring. ``comm/volume.py`` models exactly these rings, so the ledger counts
+what the NICs see. Groups of one rank are a local copy and send nothing.
 """
 from __future__ import annotations
 
@@ -16,10 +22,18 @@ from .ledger import LEDGER
 if TYPE_CHECKING:
     from ..topology import TierGroup, Topology
 
+_SLOT_INDEX: dict[tuple, torch.Tensor] = {}
+# torch 2.13 renamed the flat-tensor forms (the old names warn); older releases only have the old ones
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-def _slot_views(flat: torch.Tensor, group: "TierGroup") -> list[torch.Tensor]:
-    chunks = flat.chunk(group.size)
-    return [chunks[slot] for slot in group.slots]
+
+def _slot_index(group: "TierGroup", device: torch.device) -> torch.Tensor:
+    key = (group.slots, str(device))
+    index = _SLOT_INDEX.get(key)
+    if index is None:
+        index = _SLOT_INDEX[key] = torch.tensor(group.slots, dtype=torch.long, device=device)
+    return index
 
 
 def _record(op: str, kind: str, group: "TierGroup", tensor: torch.Tensor, topology: "Topology") -> None:
@@ -31,7 +45,12 @@ def all_gather(out: torch.Tensor, shard: torch.Tensor, group: "TierGroup", topol
     if group.size == 1:
         out.copy_(shard)
         return
-    dist.all_gather(_slot_views(out, group), shard.contiguous(), group=group.pg)
+    if group.in_rank_order:
+        _all_gather_flat(out, shard.contiguous(), group=group.pg)
+    else:
+        by_rank = torch.empty_like(out)
+        _all_gather_flat(by_rank, shard.contiguous(), group=group.pg)
+        out.view(group.size, -1).index_copy_(0, _slot_index(group, out.device), by_rank.view(group.size, -1))
     _record(op, "all_gather", group, out, topology)
 
 
@@ -41,8 +60,31 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: "TierGroup", to
     if group.size == 1:
         out.copy_(full)
         return
-    dist.reduce_scatter(out, _slot_views(full, group), group=group.pg)
+    by_rank = full if group.in_rank_order else \
+        full.view(group.size, -1).index_select(0, _slot_index(group, full.device)).view(-1)
+    if group.backend == "gloo":
+        _ring_reduce_scatter(out, by_rank, group, topology.rank)
+    else:
+        _reduce_scatter_flat(out, by_rank.contiguous(), group=group.pg)
     _record(op, "reduce_scatter", group, full, topology)
+
+
+def _ring_reduce_scatter(out: torch.Tensor, by_rank: torch.Tensor, group: "TierGroup", rank: int) -> None:
+    """k-1 steps: pass a partial sum to the ring successor, add this rank's part of what arrives; after the last
+    step the partial sum in hand is the whole sum of this rank's chunk."""
+    k, me = group.size, group.ranks.index(rank)
+    chunks = by_rank.view(k, -1)
+    after, before = group.ranks[(me + 1) % k], group.ranks[(me - 1) % k]
+    send = chunks[(me - 1) % k].clone()
+    recv = torch.empty_like(send)
+    for step in range(k - 1):
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, after, group.pg),
+                                        dist.P2POp(dist.irecv, recv, before, group.pg)])
+        for work in works:
+            work.wait()
+        recv += chunks[(me - step - 2) % k]
+        send, recv = recv, send
+    out.copy_(send)
 
 
 def all_reduce(buf: torch.Tensor, group: "TierGroup", topology: "Topology", op: str) -> None:

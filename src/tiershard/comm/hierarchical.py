@@ -26,7 +26,7 @@ def all_gather(out: torch.Tensor, shard: torch.Tensor, inner: int, outer: int, g
     buf = shard
     for k in range(outer, inner, -1):
         group = groups(k)
-        target = out if k == inner + 1 else torch.empty(buf.numel() * group.size, dtype=buf.dtype)
+        target = out if k == inner + 1 else torch.empty(buf.numel() * group.size, dtype=buf.dtype, device=buf.device)
         C.all_gather(target, buf, group, topology, op)
         buf = target
 
@@ -36,7 +36,7 @@ def reduce_scatter(buf: torch.Tensor, inner: int, outer: int, groups: Groups, to
     """This rank's level-``outer`` chunk of the sum of ``buf`` (a level-``inner`` chunk), innermost tier first."""
     for k in range(inner + 1, outer + 1):
         group = groups(k)
-        out = torch.empty(buf.numel() // group.size, dtype=buf.dtype)
+        out = torch.empty(buf.numel() // group.size, dtype=buf.dtype, device=buf.device)
         C.reduce_scatter(out, buf, group, topology, op)
         buf = out
     return buf

@@ -1,14 +1,16 @@
 """Quantized collectives: qwZ's block-quantized all-gather and qgZ's hierarchical all-to-all reduce-scatter.
 
-Both move a flat buffer cut into equal chunks (one per slot of the ownership map, see topology.py), so each
-chunk is encoded on its own with ``codecs.BlockCodec`` and the encodings of several chunks concatenate.
+Both move a flat buffer cut into equal chunks (one per slot of the ownership map, see topology.py). Each chunk
+is encoded on its own in ``codecs.BlockCodec``'s wire format (payload and fp32 scales in one byte buffer), so
+the encodings of several chunks concatenate and one collective moves payload and scales together.
 
 [Note: qgZ hops] A reduce-scatter from level ``a`` to level ``b`` runs one all-to-all per tier between them,
 innermost first. Before the hop over tier ``k`` a rank holds the partial sum of its level-``k-1`` chunk; it cuts
-that chunk into the slots of its tier-``k`` cross group, quantizes each slot once, sends slot ``i`` to the member
-owning it, then dequantizes what it receives and sums in fp32. After the last hop it holds exactly its level-``b``
-chunk: the ownership map is the "slice reordering" of ZeRO++, so no data is permuted. Error feedback (``+ef``)
-adds each hop's quantization residual of the previous reduction to the next one before quantizing.
+that chunk into the slots of its tier-``k`` cross group, quantizes each slot once (straight into the all-to-all
+input, in member order), sends slot ``i`` to the member owning it, then decodes what it receives and sums in
+fp32 in the same pass. After the last hop it holds exactly its level-``b`` chunk: the ownership map is the
+"slice reordering" of ZeRO++, so no data is permuted. Error feedback (``+ef``) adds each hop's quantization
+residual of the previous reduction to the next one before quantizing.
 """
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from . import collectives as C
 from .codecs import BlockCodec
-from .collectives import _record, _slot_views
 from .ledger import LEDGER
 
 if TYPE_CHECKING:
@@ -26,32 +28,29 @@ if TYPE_CHECKING:
 
 
 class QuantizedGather:
-    """qwZ: every member sends the encodings of its chunks; receivers decode into the working dtype."""
+    """qwZ: members send the wire encodings of their chunks; receivers decode into the working dtype."""
 
     def __init__(self, codec: BlockCodec):
         self.codec = codec
 
-    def encode(self, shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        enc = self.codec.encode(shard)
-        return enc.payload, enc.scales
+    def encode(self, shard: torch.Tensor) -> torch.Tensor:
+        """The wire encoding of one chunk (a rank's level-p shard)."""
+        return self.codec.encode_wire(shard.view(-1), 1)
 
-    def gather(self, payload: torch.Tensor, scales: torch.Tensor, group: "TierGroup", chunks: int,
-               chunk_numel: int, topology: "Topology", op: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """All-gather this rank's encodings (of ``chunks / group.size`` chunks) into all ``chunks`` chunks."""
-        codec = self.codec
-        payload_all = torch.empty(chunks * codec.payload_numel(chunk_numel), dtype=payload.dtype)
-        scales_all = torch.empty(chunks * codec.scales_numel(chunk_numel), dtype=torch.float32)
-        for out, mine in ((payload_all, payload), (scales_all, scales)):
-            if group.size == 1:
-                out.copy_(mine)
-            else:
-                dist.all_gather(_slot_views(out, group), mine.contiguous(), group=group.pg)
-                _record(op, "all_gather", group, out, topology)
-        return payload_all, scales_all
+    def gather(self, wire: torch.Tensor, group: "TierGroup", chunks: int, chunk_numel: int,
+               topology: "Topology", op: str) -> torch.Tensor:
+        """All-gather this rank's encodings (``chunks / group.size`` of them) into all ``chunks``, in slot order."""
+        out = torch.empty(chunks * self.codec.wire_bytes(chunk_numel), dtype=torch.uint8, device=wire.device)
+        C.all_gather(out, wire, group, topology, op)
+        return out
 
-    def decode(self, payload_all: torch.Tensor, scales_all: torch.Tensor, chunks: int, chunk_numel: int,
-               out: torch.Tensor) -> None:
-        self.codec.decode_chunks(payload_all, scales_all, chunks, chunk_numel, dtype=out.dtype, out=out)
+    def decode(self, wire_all: torch.Tensor, chunks: int, chunk_numel: int, out: torch.Tensor) -> None:
+        self.codec.decode_wire(wire_all, chunks, chunk_numel, out=out)
+
+    def chunk_wires(self, wire_all: torch.Tensor, first: int, count: int, chunk_numel: int) -> torch.Tensor:
+        """Encodings ``first .. first + count`` of a gathered buffer (what an hpz band keeps)."""
+        size = self.codec.wire_bytes(chunk_numel)
+        return wire_all[first * size:(first + count) * size]
 
 
 class QuantizedReduceScatter:
@@ -78,23 +77,15 @@ class QuantizedReduceScatter:
 
     def _hop(self, buf: torch.Tensor, group: "TierGroup", topology: "Topology", op: str, ef_key) -> torch.Tensor:
         codec, k = self.codec, group.size
-        slot_numel = buf.numel() // k
-        slices = buf.chunk(k)
-        P, s = codec.payload_numel(slot_numel), codec.scales_numel(slot_numel)
-        payload = torch.empty(k * P, dtype=codec.payload_dtype)
-        scales = torch.empty(k * s, dtype=torch.float32)
-        for member, slot in enumerate(group.slots):       # input in member order: chunk i goes to member i
-            codec.encode_into(slices[slot], payload[member * P:(member + 1) * P], scales[member * s:(member + 1) * s])
+        n = buf.numel() // k
+        order = C._slot_index(group, buf.device)          # input row i goes to member i, who owns slot slots[i]
+        wire = codec.encode_wire(buf, k, order=order)
         if self.error_feedback:
-            sent = torch.empty_like(buf)
-            for member, slot in enumerate(group.slots):
-                codec.decode_from(payload[member * P:(member + 1) * P], scales[member * s:(member + 1) * s],
-                                  slot_numel, out=sent[slot * slot_numel:(slot + 1) * slot_numel])
-            self.residuals[ef_key] = buf - sent
-        payload_in, scales_in = torch.empty_like(payload), torch.empty_like(scales)
-        dist.all_to_all_single(payload_in, payload, group=group.pg)
-        dist.all_to_all_single(scales_in, scales, group=group.pg)
-        nbytes = payload.numel() * payload.element_size() + scales.numel() * 4
-        LEDGER.record(op, "all_to_all", group.ranks, nbytes, topology.rank, topology)
-        received = codec.decode_chunks(payload_in, scales_in, k, slot_numel, dtype=torch.float32)
-        return received.view(k, slot_numel).sum(dim=0)
+            sent = codec.decode_wire(wire, k, n).view(k, n)
+            residual = buf.clone().view(k, n)
+            residual.index_copy_(0, order, buf.view(k, n).index_select(0, order) - sent)
+            self.residuals[ef_key] = residual.view(-1)
+        received = torch.empty_like(wire)
+        dist.all_to_all_single(received, wire, group=group.pg)
+        LEDGER.record(op, "all_to_all", group.ranks, wire.numel(), topology.rank, topology)
+        return codec.decode_wire_sum(received, k, n)

@@ -7,7 +7,7 @@ States and where they live (levels of the placement; layout in [Note: slot-major
     p_shard    param_dtype  level p    flat (slots x U) band between uses; the forward's gather source
     working    param_dtype  all        one tensor per parameter, original shape: the module's attribute in
                                        forward and backward; storage freed after use when p is sharded
-    hpz        param_dtype  hpz levels bands of the last gathered weights (or their int8 encodings under qwz)
+    hpz        param_dtype  hpz levels bands of the last gathered weights (or their int8 wire encodings under qwz)
     grad_acc   fp32         level g    flat band of the gradients accumulated between optimizer steps
 
 [Note: no stale copies] Every derived copy (p_shard, working, hpz, the qwz encoding) is tagged with
@@ -67,12 +67,12 @@ class FlatGroup:
         self.grad_acc = torch.zeros(self.S // self.size(placement.g), device=device) if trainable else None
         self.grad_pending = False      # grad_acc holds micro-steps not yet moved to the masters' grads
         self._marks: list[tuple[int, int] | None] = [None] * len(self.layouts)   # (id, version) of grads set
-        self.hpz: dict[int, tuple[int, object]] = {}   # level -> (weights version, band or (payload, scales))
+        self.hpz: dict[int, tuple[int, torch.Tensor]] = {}   # level -> (weights version, band or its wire)
         plan = placement.plan
         self.qwz = QuantizedGather(codec_from_spec(plan.qwz)) if plan.qwz else None
         self.qgz = QuantizedReduceScatter(codec_from_spec(plan.qgz.removesuffix("+ef")),
                                           plan.qgz.endswith("+ef")) if plan.qgz else None
-        self._encoded_p = None         # (weights version, payload, scales): the qwz encoding of p_shard
+        self._encoded_p = None         # (weights version, wire): the qwz encoding of p_shard, reused until it changes
         self.cc = plan.cc
         self.weights_version = 0
         self.gathered_version = -1     # weights version the working tensors hold
@@ -201,10 +201,10 @@ class FlatGroup:
             chunks, numel = self.size(pl.p), self.S // self.size(pl.p)
             if level == pl.p:
                 if self._encoded_p is None or self._encoded_p[0] != self.weights_version:
-                    self._encoded_p = (self.weights_version, *self.qwz.encode(self.p_shard))
-                source = self._encoded_p[1:]
-            encoded = self.qwz.gather(*source, self.group(0, level), chunks, numel, self.topo, op)
-            self.qwz.decode(*encoded, chunks, numel, out=full)
+                    self._encoded_p = (self.weights_version, self.qwz.encode(self.p_shard))
+                source = self._encoded_p[1]
+            encoded = self.qwz.gather(source, self.group(0, level), chunks, numel, self.topo, op)
+            self.qwz.decode(encoded, chunks, numel, out=full)
         for h in pl.hpz:
             if self.hpz.get(h, (None,))[0] != self.weights_version:
                 self.hpz[h] = (self.weights_version, self._hpz_band(h, full, encoded))
@@ -234,12 +234,9 @@ class FlatGroup:
         if encoded is None:
             start, end = self.chunk_range(level)
             return full[start:end].clone()
-        payload_all, scales_all = encoded
         ratio = self.size(self.pl.p) // self.size(level)
         index = self.topo.chunk_index(self.rank, level)
-        P, s = (len(t) // self.size(self.pl.p) for t in (payload_all, scales_all))
-        return (payload_all[index * ratio * P:(index + 1) * ratio * P].clone(),
-                scales_all[index * ratio * s:(index + 1) * ratio * s].clone())
+        return self.qwz.chunk_wires(encoded, index * ratio, ratio, self.S // self.size(self.pl.p)).clone()
 
     # ---- gradients: working .grad -> grad_acc (level g) -> master.grad (level os) ----------------
     @torch.no_grad()
@@ -382,9 +379,7 @@ class FlatGroup:
         def nbytes(t):
             return 0 if t is None else t.numel() * t.element_size()
         params = nbytes(self.p_shard) if self.pl.p > 0 else sum(nbytes(w) for w in self.working)
-        hpz = 0
-        for _, value in self.hpz.values():
-            hpz += sum(nbytes(t) for t in value) if isinstance(value, tuple) else nbytes(value)
+        hpz = sum(nbytes(value) for _, value in self.hpz.values())
         return {
             "params": params,
             "grads": nbytes(self.grad_acc),
