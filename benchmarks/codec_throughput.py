@@ -10,8 +10,9 @@ a qwZ gather would:
 - e+d vs memcpy = time(memcpy) / (time(encode) + time(decode)), in percent: the codec's round trip moves the input's
   bytes at that fraction of the speed of copying them.
 
-Every time is the best of ``--reps`` runs after two warm-up runs (the machine is shared, so the best run is the
-least disturbed one). ``torch.set_num_threads(T)`` applies to memcpy and the codecs alike, for each T in
+Every time is the best of ``--reps`` runs of one operation repeated back to back (its buffers hot in cache, which
+favours memcpy most), spread over 4 rounds that alternate between the operations: the machine is shared, so the
+best run is the least disturbed one, and alternating exposes all four to the same disturbances. ``torch.set_num_threads(T)`` applies to memcpy and the codecs alike, for each T in
 ``--threads``.
 
     .venv/bin/python benchmarks/codec_throughput.py                 # fused kernels (the default backend)
@@ -35,19 +36,10 @@ def _size(text: str) -> int:
     return int(text[:-1]) * mult[text[-1].upper()] if text[-1].upper() in mult else int(text)
 
 
-def _best(fn, reps: int) -> float:
-    fn()
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def measure(codec: BlockCodec, n: int, dtype: torch.dtype, reps: int) -> dict[str, float]:
-    """Seconds for memcpy, encode, decode and decode-sum of n values of dtype (K chunks)."""
+    """Best seconds of memcpy, encode, decode and decode-sum of n values of dtype (K chunks). Each operation runs
+    back to back in 4 rounds that alternate with the others', so a disturbance from other processes cannot hit only
+    one of them."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, generator=g).to(dtype)
     y = torch.empty_like(x)
@@ -56,12 +48,22 @@ def measure(codec: BlockCodec, n: int, dtype: torch.dtype, reps: int) -> dict[st
     out = torch.empty_like(x)
     total = torch.empty(chunk)
     order = list(reversed(range(K)))
-    return {
-        "memcpy": _best(lambda: y.copy_(x), reps),
-        "encode": _best(lambda: codec.encode_wire(x, K, wire, order), reps),
-        "decode": _best(lambda: codec.decode_wire(wire, K, chunk, out), reps),
-        "sum": _best(lambda: codec.decode_wire_sum(wire, K, chunk, total), reps),
+    ops = {
+        "memcpy": lambda: y.copy_(x),
+        "encode": lambda: codec.encode_wire(x, K, wire, order),
+        "decode": lambda: codec.decode_wire(wire, K, chunk, out),
+        "sum": lambda: codec.decode_wire_sum(wire, K, chunk, total),
     }
+    best = dict.fromkeys(ops, float("inf"))
+    rounds = 4
+    for _ in range(rounds):
+        for name, fn in ops.items():
+            fn()  # warm-up: each operation is timed with its own buffers hot in cache, memcpy included
+            for _ in range(-(-reps // rounds)):
+                t0 = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return best
 
 
 def main() -> None:
