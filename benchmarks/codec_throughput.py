@@ -12,8 +12,8 @@ a qwZ gather would:
 
 Every time is the best of ``--reps`` runs of one operation repeated back to back (its buffers hot in cache, which
 favours memcpy most), spread over 4 rounds that alternate between the operations: the machine is shared, so the
-best run is the least disturbed one, and alternating exposes all four to the same disturbances. ``torch.set_num_threads(T)`` applies to memcpy and the codecs alike, for each T in
-``--threads``.
+best run is the least disturbed one, and alternating exposes all four to the same disturbances.
+``torch.set_num_threads(T)`` applies to memcpy and the codecs alike, for each T in ``--threads``.
 
     .venv/bin/python benchmarks/codec_throughput.py                 # fused kernels (the default backend)
     TIERSHARD_CODEC_KERNELS=torch .venv/bin/python benchmarks/codec_throughput.py --sizes 1M   # reference path
@@ -75,7 +75,8 @@ def main() -> None:
     args = ap.parse_args()
 
     status = kernel_status()
-    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}; codec backend (cpu): {status['cpu']}")
+    machine = platform.processor() or platform.machine()
+    print(f"{machine}, torch {torch.__version__}; codec backend (cpu): {status['cpu']}")
     print(f"GB/s of input bytes (N values x dtype size), {K} chunks, best of {args.reps}; "
           f"e+d = memcpy time / (encode + decode time)")
     header = (f"{'threads':>7} {'values':>9} {'dtype':>8} {'codec':>9} {'memcpy':>8} {'encode':>8} {'decode':>8} "
@@ -93,8 +94,8 @@ def main() -> None:
                     t = measure(codec, n, dtype, args.reps)
                     gbs = {key: nbytes / sec / 1e9 for key, sec in t.items()}
                     ratio = 100 * t["memcpy"] / (t["encode"] + t["decode"])
-                    print(f"{threads:>7} {size:>9} {dname:>8} {codec.spec:>9} {gbs['memcpy']:>8.1f} {gbs['encode']:>8.1f} "
-                          f"{gbs['decode']:>8.1f} {gbs['sum']:>8.1f} {ratio:>9.0f}%", flush=True)
+                    print(f"{threads:>7} {size:>9} {dname:>8} {codec.spec:>9} {gbs['memcpy']:>8.1f} "
+                          f"{gbs['encode']:>8.1f} {gbs['decode']:>8.1f} {gbs['sum']:>8.1f} {ratio:>9.0f}%", flush=True)
 
 
 if __name__ == "__main__":

@@ -51,9 +51,17 @@ def reference_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(codecs, "_force_reference", True)
 
 
+@pytest.fixture(params=["default", "torch"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The test on the default backend (the C kernels where a compiler exists) and on the plain torch path."""
+    if request.param == "torch":
+        monkeypatch.setattr(codecs, "_force_reference", True)
+    return request.param
+
+
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.spec)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_roundtrip_within_half_step(codec: BlockCodec, dtype: torch.dtype) -> None:
+def test_roundtrip_within_half_step(backend: str, codec: BlockCodec, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(codec.bits * 1000 + codec.block)
     for n in _sizes(codec.block) + [100_003]:
         x = (torch.randn(n, generator=g) * 3).to(dtype)
@@ -86,7 +94,7 @@ def test_payload_matches_loop_reference(codec: BlockCodec) -> None:
         assert enc.scales.tolist() == ref_scales
 
 
-def test_int4_nibble_layout_explicit() -> None:
+def test_int4_nibble_layout_explicit(backend: str) -> None:
     codec = BlockCodec(4, 4)
     # block 0 absmax 7 -> scale 1: q = x; block 1 absmax 14 -> scale 2
     x = torch.tensor([1.0, -7.0, 0.0, 7.0, 14.0, -2.0, 3.0])
@@ -113,7 +121,7 @@ def test_exactly_representable_values_roundtrip_exactly(codec: BlockCodec) -> No
 
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.spec)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_zero_blocks_decode_to_exact_zeros(codec: BlockCodec, dtype: torch.dtype) -> None:
+def test_zero_blocks_decode_to_exact_zeros(backend: str, codec: BlockCodec, dtype: torch.dtype) -> None:
     b = codec.block
     zeros = torch.zeros(3 * b + 5, dtype=dtype)
     enc = codec.encode(zeros)
@@ -133,7 +141,7 @@ def test_zero_blocks_decode_to_exact_zeros(codec: BlockCodec, dtype: torch.dtype
 
 
 @pytest.mark.parametrize("codec", [INT8, INT4], ids=lambda c: c.spec)
-def test_subnormal_blocks_stay_finite(codec: BlockCodec) -> None:
+def test_subnormal_blocks_stay_finite(backend: str, codec: BlockCodec) -> None:
     x = torch.full((codec.block + 1,), 1e-44)  # absmax / qmax underflows towards zero
     x[1] = -3e-45
     dec = codec.decode(codec.encode(x))
@@ -144,7 +152,8 @@ def test_subnormal_blocks_stay_finite(codec: BlockCodec) -> None:
 @pytest.mark.parametrize("codec", [INT8, INT4, BlockCodec(4, 37)], ids=lambda c: c.spec)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
-def test_non_finite_blocks_decode_to_nan_and_spare_the_rest(codec: BlockCodec, dtype: torch.dtype, bad: float) -> None:
+def test_non_finite_blocks_decode_to_nan_and_spare_the_rest(backend: str, codec: BlockCodec, dtype: torch.dtype,
+                                                            bad: float) -> None:
     b, n = codec.block, 3 * codec.block + 3
     x = torch.randn(n, generator=torch.Generator().manual_seed(5)).to(dtype)
     clean = codec.decode(codec.encode(x))
@@ -177,7 +186,7 @@ def test_rejects_non_float_input() -> None:
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.spec)
-def test_sizes_match_tensors(codec: BlockCodec) -> None:
+def test_sizes_match_tensors(backend: str, codec: BlockCodec) -> None:
     for n in [0] + _sizes(codec.block):
         enc = codec.encode(torch.randn(n))
         payload_bytes = n if codec.bits == 8 else (n + 1) // 2
@@ -198,7 +207,7 @@ def test_sizes_match_tensors(codec: BlockCodec) -> None:
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.spec)
-def test_decode_chunks_equals_individual_decodes(codec: BlockCodec) -> None:
+def test_decode_chunks_equals_individual_decodes(backend: str, codec: BlockCodec) -> None:
     k, n = 3, codec.block + 3  # ragged last block and, for int4, an odd byte count per chunk
     p, s = codec.payload_numel(n), codec.scales_numel(n)
     chunks = [torch.randn(n, generator=torch.Generator().manual_seed(10 + r)) * (r + 1) for r in range(k)]
@@ -220,7 +229,7 @@ def test_decode_chunks_equals_individual_decodes(codec: BlockCodec) -> None:
 
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.spec)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_wire_roundtrip_with_order(codec: BlockCodec, dtype: torch.dtype) -> None:
+def test_wire_roundtrip_with_order(backend: str, codec: BlockCodec, dtype: torch.dtype) -> None:
     k, n = 4, 2 * codec.block + 3
     g = torch.Generator().manual_seed(11)
     chunks = [(torch.randn(n, generator=g) * (r + 1)).to(dtype) for r in range(k)]

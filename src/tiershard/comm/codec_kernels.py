@@ -29,9 +29,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["Kernels", "load", "build", "status", "DTYPE_CODES"]
-
-DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
+__all__ = ["Kernels", "load", "build", "status"]
 
 # Tried in order; the first that compiles and loads is used. Without -march=native the compiler still vectorizes
 # for the baseline ISA; without OpenMP every call runs on the calling thread.
@@ -551,8 +549,8 @@ class Kernels:
     i of the payload and scale buffers (addresses and byte strides), then ``pad`` zero bytes after each payload.
     ``decode(payload, payload_stride, scales, scales_stride, k, n, block, bits, out, dtype_code, out_stride, sum,
     threads)`` decodes row i to ``out + i * out_stride`` values, or with ``sum`` adds the k rows into n fp32 values,
-    row 0 first. Both are the raw ctypes functions (a Python wrapper would double the call's cost) and return 0,
-    or a negative code for an unsupported dtype.
+    row 0 first. dtype codes: 0 float32, 1 bfloat16, 2 float16. Both are the raw ctypes functions (a Python wrapper
+    would double the call's cost) and return 0, or a negative code for an unsupported dtype.
     """
 
     def __init__(self, path: Path, flags: tuple[str, ...]):

@@ -307,6 +307,8 @@ class BlockCodec:
     def _ref_encode_rows(self, x: Tensor, k: int, n: int, order: Order, pay: Tensor, sc: Tensor,
                          pad: Tensor | None) -> None:
         """Reference encode of chunk order[i] (or i) of flat ``x`` into uint8 row views pay[i], sc[i]; zero pad."""
+        if n == 0:
+            return
         rows = x.view(k, n)
         idx = _order_index(order, k, x.device)
         if idx is not None:
@@ -321,6 +323,8 @@ class BlockCodec:
     def _ref_decode_rows(self, pay: Tensor, sc: Tensor, k: int, n: int, out: Tensor | None,
                          sum_out: Tensor | None) -> None:
         """Reference decode of uint8 row views into flat ``out`` (k*n values) or, summed in fp32, ``sum_out``."""
+        if n == 0:
+            return
         values = self._ref_decode(pay, sc.contiguous().view(torch.float32), n)
         if out is not None:
             out.view(k, n).copy_(values)
@@ -405,8 +409,8 @@ class BlockCodec:
         if lib is not None and scales_all.device.type == "cpu":
             self._c_decode(lib, payload_all.data_ptr(), p, scales_all.data_ptr(), 4 * nb, k, n, result, False)
         else:
-            self._ref_decode_rows(payload_all.view(torch.uint8).view(k, p), scales_all.view(torch.uint8).view(k, 4 * nb),
-                                  k, n, result.view(-1), None)
+            self._ref_decode_rows(payload_all.view(torch.uint8).view(k, p),
+                                  scales_all.view(torch.uint8).view(k, 4 * nb), k, n, result.view(-1), None)
         if out is None:
             return result.view(-1)
         if not direct:
