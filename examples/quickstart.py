@@ -29,7 +29,11 @@ def main(plan_text="IIG"):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), *[Block(64) for _ in range(4)], nn.Linear(64, 1))
     model = ts.shard(model, ts.Plan.parse(plan_text), topo, wrap={Block})
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # parameters keep their names and shapes: the usual groups, no weight decay on biases and norms
+    decay = [p for name, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for name, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=1e-3)
     g = torch.Generator().manual_seed(dist.get_rank())
     for step in range(20):
         for micro in range(2):                               # two accumulation micro-steps
@@ -40,7 +44,7 @@ def main(plan_text="IIG"):
                     loss.backward()
             else:
                 loss.backward()
-        ts.clip_grad_norm_(model, 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # the global norm on every rank
         opt.step()
         opt.zero_grad()
     stats = ts.comm_stats()

@@ -76,7 +76,7 @@ def train_sharded(rank, world, plan, topo, opt_name, param_dtype=None, measure=F
     if measure:
         stats = ts.comm_stats()
         engine = model._tiershard
-        shapes = [traffic.FlatGroupShape(g.S, g.trainable) for g in engine.groups()]
+        shapes = engine.flat_shapes()
         esize = torch.empty(0, dtype=param_dtype or torch.float32).element_size()
         colls = traffic.step_collectives(engine.placement, shapes, esize, esize, MICRO)
         predicted = traffic.rank_traffic(colls, topo, rank)

@@ -305,6 +305,11 @@ def _setup_cases(rank, world, topo):
         out["requires_grad"] = "no error"
     except RuntimeError as err:
         out["requires_grad"] = str(err)
+    try:
+        model.blocks[1].fc.weight.data = torch.zeros(49, 12)
+        out["data_assign"] = "no error"
+    except RuntimeError as err:
+        out["data_assign"] = str(err)
     model = TinyGPT().to(torch.bfloat16)      # param_dtype defaults to the parameters' dtype
     model.scale.fill_(1.0 + rank)             # buffers come from rank 0
     model = ts.shard(model, "GGG", topo, wrap={Block})
@@ -383,5 +388,6 @@ def test_clear_errors_and_setup(results):
         assert "matches no submodule" in s["bad_wrap"], s["bad_wrap"]
         assert "wpe has shape (8, 12)" in s["mismatch"] and "(8, 16)" in s["mismatch"], s["mismatch"]
         assert "requires_grad" in s["requires_grad"] and "blocks.0.fc.weight" in s["requires_grad"], s
+        assert "param.copy_(value)" in s["data_assign"], s["data_assign"]
         assert s["dtypes"] == ("torch.bfloat16", "torch.float32"), s["dtypes"]
         assert s["buffer"] == 1.0, s["buffer"]

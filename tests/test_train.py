@@ -18,7 +18,7 @@ from tiershard.cli import train as train_cli
 from tiershard.cli.train import tomllib
 from tiershard.progress import Progress, plot_run, read_metrics
 from tiershard.train_config import JobConfig, TrainConfig, to_toml
-from tiershard.trainer import lr_at
+from tiershard.trainer import lr_at, param_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -65,6 +65,21 @@ def test_lr_schedule_warms_up_then_decays_to_min():
     assert lrs[-1] == pytest.approx(0.1)
     short = TrainConfig(steps=3, warmup=10, lr=1.0, min_lr=0.1)
     assert [lr_at(s, short) for s in range(3)] == pytest.approx([0.1, 0.2, 0.3])
+
+
+def test_weight_decay_only_on_linear_matrices():
+    from tiershard.models import GPT, gpt_config
+
+    model = GPT(gpt_config("tiny", bias=True))
+    decay, exempt = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = sorted(names[id(p)] for p in decay["params"])
+    assert decay["weight_decay"] == 0.1 and exempt["weight_decay"] == 0.0
+    assert decayed and all(n.endswith(".weight") and ("attn" in n or "mlp" in n) for n in decayed), decayed
+    exempt_names = {names[id(p)] for p in exempt["params"]}
+    assert "transformer.wte.weight" in exempt_names and any(".ln_" in n for n in exempt_names), exempt_names
+    assert any(n.endswith(".bias") for n in exempt_names), exempt_names
+    assert len(decay["params"]) + len(exempt["params"]) == len(list(model.parameters()))
 
 
 def test_every_flag_is_documented():

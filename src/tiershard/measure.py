@@ -28,7 +28,7 @@ def cross_node_volume(rank: int, world: int, plans: list[str], ranks_per_node: i
         dist.all_reduce(measured)
         engine = model._tiershard
         M = sum(g.S for g in engine.groups()) * 2
-        shapes = [traffic.FlatGroupShape(g.S, g.trainable) for g in engine.groups()]
+        shapes = engine.flat_shapes()
         closed = traffic.total_traffic(traffic.step_collectives(engine.placement, shapes, 2, 2), topo)
         out[plan] = (measured.item() / nodes / M, closed.get("world", 0) / nodes / M)
     return out

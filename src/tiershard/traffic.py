@@ -8,7 +8,8 @@ Per flat group of ``S`` padded elements (one per unit and per requires_grad), wi
 level ``L`` and top = world:
 
     every forward call   p > N: all-gather over level p of S x param bytes
-    every backward       p > N: the same again (a unit that runs backward, trainable or not)
+    every backward       p > N: the same again (a unit that runs backward, trainable or not; not the root, which
+                         stays gathered from its forward to its backward)
                          with hpz, only the first gather after the weights change uses level p; the rest
                          gather over the finest hpz level
     every micro-step     g > N: reduce-scatter over level g of S x reduce bytes   (trainable groups)
@@ -54,7 +55,7 @@ class FlatGroupShape:
     numel: int          # padded
     trainable: bool
     forward_calls: int = 1
-    backward: bool = True   # the unit runs backward (needs its weights gathered again)
+    backward: bool = True   # the unit gathers again for backward (not the root, which stays gathered)
 
 
 def group_collectives(pl: "Placement", shape: FlatGroupShape, param_bytes: int, reduce_bytes: int,
@@ -162,12 +163,12 @@ def module_shapes(model, wrap=None, chunking: Sequence[int] = (1, 1)) -> list[Fl
     from .runtime.wrap import find_units
 
     shapes = []
-    for unit in find_units(model, wrap):
+    for index, unit in enumerate(find_units(model, wrap)):
         groups = {True: [], False: []}
         for param, _, _ in unit.params:
             groups[param.requires_grad].append(tuple(param.shape))
         for trainable in (True, False):
             if groups[trainable]:
                 shapes.append(FlatGroupShape(padded_unit_numel(groups[trainable], chunking), trainable,
-                                             backward=bool(groups[True])))
+                                             backward=index > 0 and bool(groups[True])))
     return shapes

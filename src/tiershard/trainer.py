@@ -83,7 +83,7 @@ def _train(cfg: JobConfig, device: torch.device) -> dict:
     n_params = model.num_params()
     param_dtype = torch.bfloat16 if tc.precision == "bf16" else None
     model = ts.shard(model, cfg.parallel.plan, topo, wrap={Block}, param_dtype=param_dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
+    opt = torch.optim.AdamW(param_groups(model, tc.weight_decay), lr=tc.lr, betas=(0.9, 0.95))
 
     out = Path(tc.out)
     lead = rank == 0
@@ -152,6 +152,20 @@ def _train(cfg: JobConfig, device: torch.device) -> dict:
         summary.update(_finish(records, out, cfg, topo, saved, progress, summary))
     dist.barrier()
     return summary
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW's usual groups: weight decay on the matrices of linear layers, none on biases, norms and embeddings
+    (a weight tied to an embedding counts as the embedding). Chosen from the sharded model's own parameters,
+    which keep their names, shapes and modules."""
+    exempt = set()
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if isinstance(module, (torch.nn.Embedding, torch.nn.LayerNorm)) or p.dim() < 2:
+                exempt.add(id(p))
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if id(p) not in exempt], "weight_decay": weight_decay},
+            {"params": [p for p in params if id(p) in exempt], "weight_decay": 0.0}]
 
 
 @torch.no_grad()

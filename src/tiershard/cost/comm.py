@@ -48,15 +48,15 @@ def unit_shapes(model: ModelSpec, job: Job, chunking: tuple[int, int]) -> list[t
 
     A unit's trainable and frozen parameters are separate flat groups, padded per parameter as the engine pads
     them when cut by ``chunking`` (``Topology.chunking(os)``); parameter shapes are exact for a spec made
-    ``from_module`` and one flat tensor per group otherwise. A unit runs backward when it has trainable
-    parameters.
+    ``from_module`` and one flat tensor per group otherwise. A unit other than the root gathers again for
+    backward when it has trainable parameters.
     """
     out: list[tuple[FlatGroupShape, int]] = []
-    for trainable, frozen, units in model.unit_param_shapes():
+    for trainable, frozen, units, root in model.unit_param_shapes():
         for shapes, grad in ((trainable, True), (frozen, False)):
             if shapes:
-                out.append((FlatGroupShape(padded_unit_numel(shapes, chunking), grad, backward=bool(trainable)),
-                            units))
+                backward = bool(trainable) and not root
+                out.append((FlatGroupShape(padded_unit_numel(shapes, chunking), grad, backward=backward), units))
     return out
 
 

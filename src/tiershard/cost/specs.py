@@ -47,7 +47,7 @@ class ModelSpec:
     vocab: int = 32000
     name: str = ""
     units: tuple[tuple[int, int], ...] = ()
-    param_shapes: tuple = ()   # per unit: (trainable shapes, frozen shapes), when known (``from_module``)
+    param_shapes: tuple = ()   # per unit: (trainable shapes, frozen shapes, is the root), when known (``from_module``)
 
     def __post_init__(self) -> None:
         _positive_int(self, "params", "layers", "hidden", "vocab")
@@ -90,18 +90,20 @@ class ModelSpec:
                 out.append((trainable, numel - trainable, n))
         return out
 
-    def unit_param_shapes(self) -> list[tuple[tuple, tuple, int]]:
-        """(trainable parameter shapes, frozen parameter shapes, how many units) per distinct unit; without
-        exact shapes each group counts as one flat parameter."""
+    def unit_param_shapes(self) -> list[tuple[tuple, tuple, int, bool]]:
+        """(trainable parameter shapes, frozen parameter shapes, how many units, is the root) per distinct
+        unit; without exact shapes each group counts as one flat parameter and the embedding/head unit is the
+        root."""
         counts: dict[tuple, int] = {}
         if self.param_shapes:
-            for unit in self.param_shapes:
-                counts[unit] = counts.get(unit, 0) + 1
+            for key in self.param_shapes:
+                counts[key] = counts.get(key, 0) + 1
         else:
-            for trainable, frozen, n in self.unit_sizes():
-                key = (((trainable,),) if trainable else (), ((frozen,),) if frozen else ())
+            sizes = self.unit_sizes()
+            for i, (trainable, frozen, n) in enumerate(sizes):
+                key = (((trainable,),) if trainable else (), ((frozen,),) if frozen else (), i == len(sizes) - 1)
                 counts[key] = counts.get(key, 0) + n
-        return [(t, f, n) for (t, f), n in counts.items()]
+        return [(t, f, n, root) for (t, f, root), n in counts.items()]
 
     def with_trainable(self, fraction: float) -> "ModelSpec":
         if not 0 < fraction <= 1:
@@ -142,7 +144,7 @@ class ModelSpec:
         from ..runtime.wrap import find_units
 
         units, shapes = [], []
-        for unit in find_units(module, wrap):
+        for index, unit in enumerate(find_units(module, wrap)):
             sizes = {True: 0, False: 0}
             groups: dict[bool, list] = {True: [], False: []}
             for param, _, _ in unit.params:
@@ -150,7 +152,7 @@ class ModelSpec:
                 groups[param.requires_grad].append(tuple(param.shape))
             if sizes[True] or sizes[False]:
                 units.append((sizes[True], sizes[False]))
-                shapes.append((tuple(groups[True]), tuple(groups[False])))
+                shapes.append((tuple(groups[True]), tuple(groups[False]), index == 0))
         params = sum(t + f for t, f in units)
         trainable = sum(t for t, _ in units)
         if params == 0 or trainable == 0:

@@ -132,11 +132,16 @@ class Unit:
     def _post_forward(self, module, args, output):
         if _in_backward():
             return None
+        hooked = False
         if torch.is_grad_enabled():
             for t in tensors_in(output):
                 if t.requires_grad:
                     t.register_hook(self._pre_backward)
-        self.release()
+                    hooked = True
+        if hooked and self is self.engine.root:
+            self._show(working=False)   # its backward comes first: keep the weights gathered, as FSDP2 does
+        else:
+            self.release()
         return None
 
     # ---- backward -------------------------------------------------------------------------------
@@ -201,6 +206,13 @@ class Engine:
     def groups(self) -> Iterator[FlatGroup]:
         for unit in self.units:
             yield from unit.groups
+
+    def flat_shapes(self) -> list:
+        """Each flat group as ``traffic.FlatGroupShape``: what the closed-form traffic of this model depends on."""
+        from ..traffic import FlatGroupShape
+
+        return [FlatGroupShape(group.S, group.trainable, backward=unit is not self.root and any(
+                    g.trainable for g in unit.groups)) for unit in self.units for group in unit.groups]
 
     def settle(self) -> None:
         """Outside backward, undo what a backward that raised left behind: working tensors shown in the module,

@@ -13,7 +13,9 @@ States and where they live (levels of the placement; layout in [Note: slot-major
 [Note: no stale copies] Every derived copy (p_shard, working, hpz, the qwz encoding) is tagged with
 ``weights_version``, which only ``sync_params`` advances after rebuilding ``p_shard`` from the masters. The
 engine calls it after every optimizer step whatever kernel ran (fused and foreach kernels bump no version
-counter), and before a forward when a master's version counter shows an in-place write.
+counter), and before a forward when a master shows a write: its version counter moved (in-place ops under
+``torch.no_grad()``), or its ``.data`` was taken (``TierMaster``: writes through ``.data`` reach no version
+counter at all, so taking it is treated as a write).
 
 [Note: gathering without bumping versions] Autograd saves the working tensors for backward. Gathers write
 through ``aliases``, tensors on the same storage with their own version counters, so refilling freed storage
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..comm import collectives as C
 from ..comm import hierarchical as H
@@ -35,6 +38,24 @@ from .layout import ParamLayout, plan_columns
 
 if TYPE_CHECKING:
     from ..plan import Placement
+
+
+class TierMaster(DTensor):
+    """A master parameter: a DTensor that notices ``.data`` being taken ([Note: no stale copies]).
+
+    Assigning ``.data`` would replace the wrapper without its shard (DTensor keeps the old local tensor), so it
+    raises instead of losing the value."""
+
+    @property
+    def data(self):
+        self._tiershard_touched = True
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, value):
+        raise RuntimeError("assigning .data of a sharded parameter is not supported (and a sharded model cannot be "
+                           "moved or cast after ts.shard): write in place instead, "
+                           "`with torch.no_grad(): param.copy_(value)`")
 
 
 def _alias(tensor: torch.Tensor) -> torch.Tensor:
@@ -57,14 +78,18 @@ class FlatGroup:
         self.S = self.W * self.U
         self.cols = [layout.cols for layout in self.layouts]
         self.mesh, self.os_placements = topo.mesh, topo.placements(placement.os)
-        self.masters = [self._make_master(layout, value) for layout, value in zip(self.layouts, values)]
+        # one spec per parameter, shared by its master and its gradients (both fp32 at level os)
+        self.specs = [DTensorSpec(self.mesh, self.os_placements,
+                                  TensorMeta(layout.shape, _contiguous_stride(layout.shape), torch.float32))
+                      for layout in self.layouts]
+        self.masters = [self._make_master(i, value) for i, value in enumerate(values)]
         self.working = [nn.Parameter(torch.empty(layout.shape, dtype=param_dtype, device=device),
                                      requires_grad=trainable) for layout in self.layouts]
         self.aliases = [_alias(w) for w in self.working]
         self.allocated = True          # the working tensors have storage (always, when p is replicated)
         self.p_shard = None if placement.p == 0 else torch.empty(self.S // self.size(placement.p),
                                                                   dtype=param_dtype, device=device)
-        self.grad_acc = torch.zeros(self.S // self.size(placement.g), device=device) if trainable else None
+        self.grad_acc: torch.Tensor | None = None   # allocated by the first micro-step, handed over at the boundary
         self.grad_pending = False      # grad_acc holds micro-steps not yet moved to the masters' grads
         self._marks: list[tuple[int, int] | None] = [None] * len(self.layouts)   # (id, version) of grads set
         self.hpz: dict[int, tuple[int, torch.Tensor]] = {}   # level -> (weights version, band or its wire)
@@ -99,12 +124,17 @@ class FlatGroup:
         return self.topo.group_for(self.rank, inner, outer)
 
     # ---- masters ------------------------------------------------------------------------------
-    def _make_master(self, layout: ParamLayout, full: torch.Tensor) -> nn.Parameter:
-        band = layout.band(self.first_slot(self.pl.os), self.slots(self.pl.os))
+    def _dtensor(self, index: int, local: torch.Tensor) -> DTensor:
+        """This rank's level-os shard of parameter ``index`` as a DTensor (no autograd, no checks: the spec is
+        made once, as FSDP2 does)."""
+        return DTensor(local, self.specs[index], requires_grad=False)
+
+    def _make_master(self, index: int, full: torch.Tensor) -> nn.Parameter:
+        band = self.layouts[index].band(self.first_slot(self.pl.os), self.slots(self.pl.os))
         local = full.detach().narrow(0, band.start, band.length).to(device=self.device, dtype=torch.float32)
-        dt = DTensor.from_local(local.clone(), self.mesh, self.os_placements, run_check=False,
-                                shape=layout.shape, stride=_contiguous_stride(layout.shape))
-        return nn.Parameter(dt, requires_grad=self.trainable)
+        master = nn.Parameter(self._dtensor(index, local.clone()), requires_grad=self.trainable)
+        master.__class__ = TierMaster
+        return master
 
     def master_local(self, index: int) -> torch.Tensor:
         return self.masters[index]._local_tensor
@@ -114,8 +144,9 @@ class FlatGroup:
 
     @property
     def stale(self) -> bool:
-        """A master was written in place (or replaced) since the working copies were made from it."""
-        return self._master_marks() != self._synced_marks
+        """A master was written in place (or had its ``.data`` taken) since the working copies were made."""
+        return self._master_marks() != self._synced_marks or \
+            any(m.__dict__.get("_tiershard_touched", False) for m in self.masters)
 
     # ---- parameters: masters -> p_shard -> working ------------------------------------------------
     def _pack_masters(self, dtype: torch.dtype) -> torch.Tensor:
@@ -180,6 +211,8 @@ class FlatGroup:
         else:
             self.p_shard.copy_(level_p)     # working tensors in use are refilled by the next gather
         self._synced_marks = self._master_marks()
+        for m in self.masters:
+            m.__dict__.pop("_tiershard_touched", None)
 
     @torch.no_grad()
     def gather(self, op: str) -> None:
@@ -260,11 +293,18 @@ class FlatGroup:
                 pieces.append(padded.view(-1))
         full = torch.empty(self.S, dtype=self.reduce_dtype, device=self.device)
         _chunk_cat(pieces, self.W, full)
-        full.div_(self.W)
-        if pl.g == 0:
-            self.grad_acc += full
+        # the DDP mean: divide by the world size before an fp16 sum can overflow, else while accumulating
+        early = self.reduce_dtype == torch.float16
+        if early:
+            full.div_(self.W)
+        reduced = full if pl.g == 0 else self._reduce_scatter(full, 0, pl.g, "grad_reduce")
+        scale = 1.0 if early else 1.0 / self.W
+        if self.grad_acc is None:      # a fresh buffer either way: adopt it
+            self.grad_acc = reduced.to(torch.float32)
+            if scale != 1.0:
+                self.grad_acc.mul_(scale)
         else:
-            self.grad_acc += self._reduce_scatter(full, 0, pl.g, "grad_reduce")
+            self.grad_acc.add_(reduced, alpha=scale)
         self.grad_pending = True
         if not boundary:
             self._mark_grads()
@@ -293,9 +333,7 @@ class FlatGroup:
         """Give every master a gradient (zeros until the boundary) so that zero_grad can be seen."""
         for i, (layout, master) in enumerate(zip(self.layouts, self.masters)):
             if master.grad is None:
-                local = torch.zeros_like(self.master_local(i))
-                master.grad = DTensor.from_local(local, self.mesh, self.os_placements, run_check=False,
-                                                 shape=layout.shape, stride=_contiguous_stride(layout.shape))
+                master.grad = self._dtensor(i, torch.zeros_like(self.master_local(i)))
             self._marks[i] = self._grad_mark(master)
 
     def _reduce_scatter(self, buf: torch.Tensor, inner: int, outer: int, op: str) -> torch.Tensor:
@@ -340,11 +378,9 @@ class FlatGroup:
             if pl.g > pl.os:
                 out = torch.empty(self.S // self.size(pl.os), dtype=self.reduce_dtype, device=self.device)
                 self._all_gather(out, buf, pl.os, pl.g, "grad_sync")
-        out = out.to(torch.float32)
-        if out.data_ptr() == self.grad_acc.data_ptr():
-            out = out.clone()          # the masters' gradients must not alias the accumulator
-        self._add_to_master_grads(out)
-        self.grad_acc.zero_()
+        # the masters' gradients may be views of the accumulator: hand it over, the next micro-step starts anew
+        self.grad_acc = None
+        self._add_to_master_grads(out.to(torch.float32))
         self.grad_pending = False
         self._marks = [None] * len(self.layouts)
 
@@ -360,9 +396,7 @@ class FlatGroup:
             b = layout.band(self.first_slot(self.pl.os), n_os)
             local = b.real(block.view(b.padded, layout.row))
             if master.grad is None:
-                master.grad = DTensor.from_local(local, self.mesh,
-                                                 self.os_placements, run_check=False, shape=layout.shape,
-                                                 stride=_contiguous_stride(layout.shape))
+                master.grad = self._dtensor(i, local)
             else:
                 master.grad._local_tensor.add_(local)
 
@@ -382,7 +416,7 @@ class FlatGroup:
         hpz = sum(nbytes(value) for _, value in self.hpz.values())
         return {
             "params": params,
-            "grads": nbytes(self.grad_acc),
+            "grads": self.S // self.size(self.pl.g) * 4 if self.trainable else 0,   # the level-g accumulator
             "masters": sum(nbytes(self.master_local(i)) for i in range(len(self.masters))),
             "hpz": hpz,
         }
