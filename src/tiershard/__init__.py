@@ -12,7 +12,8 @@ from .plan import Plan, PlanError
 from .topology import Topology, TopologyError
 
 __all__ = [
-    "Plan", "PlanError", "Topology", "TopologyError", "comm_stats", "reset_comm_stats",
+    "Plan", "PlanError", "Topology", "TopologyError", "comm_stats", "reset_comm_stats", "save", "load",
+    "CheckpointError",
     "shard", "no_sync", "clip_grad_norm_", "full_state_dict", "load_full_state_dict", "memory_stats",
 ]
 
@@ -23,4 +24,8 @@ def __getattr__(name: str):
         from .runtime import api
 
         return getattr(api, name)
+    if name in ("save", "load", "CheckpointError"):
+        from . import checkpoint
+
+        return getattr(checkpoint, name)
     raise AttributeError(f"module 'tiershard' has no attribute {name!r}")

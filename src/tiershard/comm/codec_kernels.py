@@ -538,6 +538,248 @@ int ts_decode(const uint8_t* pay, int64_t pstride, const uint8_t* sc, int64_t ss
     }
     return 0;
 }
+
+/* ---- row layouts (segments) ----
+   A chunk of n = rows * U values is `rows` rows of one layout whose blocks are given by bs[0..nbr]: block b of a row
+   covers columns [bs[b], bs[b+1]) (bs[0] = 0, bs[nbr] = U, every block at least one value), and block J of the chunk
+   is block J % nbr of row J / nbr, at value (J / nbr) * U + bs[J % nbr], with scale J. Blocks start anywhere, so
+   int4 blocks may start on an odd value (the high nibble of a byte). Work units are runs of whole blocks; an int4
+   unit writes its payload as a stream of nibbles: the byte holding values 2p and 2p+1 is written by the unit owning
+   value 2p, which quantizes value 2p+1 with the next block's scale, recomputed from the input (a thread never reads
+   what another writes); a unit starting on an odd value leaves the byte before it to the unit before. */
+
+/* int4 stream state inside a unit: `have` says the offset nibble of value p-1 (p odd, the next value to write)
+   waits in `carry` for its partner; `skip` that the unit starts on an odd value whose byte is not its own. */
+typedef struct { uint8_t carry; int have, skip; } nib_t;
+
+#define TS_ODD_MAX 4096  /* largest odd-start int4 block the fast path stages (in a stack buffer) */
+
+/* Blocks Ja..Jb-1 of a chunk the general way: int8 block by block (scale, then values); int4 by tiles staged as one
+   byte per value and packed, through the stream state (an odd first value pairs with the carried nibble, an odd
+   end leaves its last nibble in the carry). */
+__attribute__((noinline)) static void encode_seg_run(const char* x, int dt, const int64_t* bs, int64_t nbr,
+                                                     int64_t U, int bits, int64_t Ja, int64_t Jb, uint8_t* pay,
+                                                     uint8_t* sc, nib_t* st) {
+    const int32_t qmax = bits == 8 ? 127 : 7, off = bits == 8 ? 0 : 8;
+    const int64_t es = dt == DT_F32 ? 4 : 2;
+    int64_t r = Ja / nbr, b = Ja - r * nbr, base = r * U;
+    if (bits == 8) {
+        for (int64_t J = Ja; J < Jb; J++) {
+            const int64_t s = base + bs[b], m = bs[b + 1] - bs[b];
+            const float scale = block_scale(x + s * es, dt, m, qmax);
+            memcpy(sc + 4 * J, &scale, 4);
+            if (scale > 0.f) quant_n(x + s * es, dt, m, scale, qmax, 0, pay + s);
+            else memset(pay + s, 0, (size_t)m);
+            if (++b == nbr) { b = 0; base += U; }
+        }
+        return;
+    }
+    const int64_t rl = (Jb - 1) / nbr, e = rl * U + bs[Jb - 1 - rl * nbr + 1];
+    int64_t J = Ja, s = base + bs[b], m = bs[b + 1] - bs[b];
+    const int64_t a = s, t0 = a & ~(int64_t)1;
+    float scale = block_scale(x + s * es, dt, m, qmax);
+    memcpy(sc + 4 * J, &scale, 4);
+    uint8_t qbuf[TILE + 2];
+    for (int64_t t = t0; t < e; t += TILE) {
+        const int64_t te = t + TILE < e ? t + TILE : e;
+        int64_t p = t;
+        if (p < a) { qbuf[0] = st->have ? st->carry : 8; p = a; }  /* a odd: the carried nibble, or a byte to skip */
+        while (p < te) {
+            while (p >= s + m) {  /* the next block: its scale is computed just before its values are read */
+                J++;
+                if (++b == nbr) { b = 0; base += U; }
+                s = base + bs[b]; m = bs[b + 1] - bs[b];
+                scale = block_scale(x + s * es, dt, m, qmax);
+                memcpy(sc + 4 * J, &scale, 4);
+            }
+            const int64_t pe = s + m < te ? s + m : te;
+            if (scale > 0.f) quant_n(x + p * es, dt, pe - p, scale, qmax, off, qbuf + (p - t));
+            else memset(qbuf + (p - t), off, (size_t)(pe - p));
+            p = pe;
+        }
+        int64_t cnt = te - t;
+        st->have = (int)(cnt & 1);  /* only the last tile can end on an odd value */
+        if (cnt & 1) st->carry = qbuf[--cnt];
+        const int64_t skip = t == t0 && (a & 1) && st->skip;
+        if (cnt / 2 > skip) pack4(qbuf + 2 * skip, cnt / 2 - skip, pay + t / 2 + skip);
+    }
+    st->skip = 0;
+}
+
+/* One block of m values at value s, decoded the general way; add: accumulate into fp32 o. */
+static void decode_seg_block(const uint8_t* pay, int64_t s, int64_t m, float scale, int bits, char* o, int dt, int add) {
+    const int64_t es = add || dt == DT_F32 ? 4 : 2;
+    if (bits == 8) { dq_n(pay + s, 0, m, scale, o + s * es, dt, add); return; }
+    uint8_t qbuf[TILE + 2];
+    for (int64_t t = s; t < s + m; t += TILE) {
+        const int64_t te = t + TILE < s + m ? t + TILE : s + m, t0 = t & ~(int64_t)1;
+        unpack4(pay + t0 / 2, (te - t0 + 1) / 2, qbuf);
+        dq_n(qbuf + (t - t0), 8, te - t, scale, o + t * es, dt, add);
+    }
+}
+
+/* An int4 unit that ends on an odd value e: its last byte pairs the carried nibble with value e, quantized with the
+   scale of the block starting there (block b of the row at base), or with the padding nibble at the chunk's end. */
+static void finish_unit4(const char* x, int dt, int64_t n, const int64_t* bs, int64_t b, int64_t base, uint8_t* pay,
+                         const nib_t* st) {
+    if (!st->have) return;
+    const int64_t es = dt == DT_F32 ? 4 : 2, e = base + bs[b];
+    uint8_t v = 8;
+    if (e < n) {
+        const float s1 = block_scale(x + e * es, dt, bs[b + 1] - bs[b], 7);
+        if (s1 > 0.f) quant_n(x + e * es, dt, 1, s1, 7, 8, &v);
+    }
+    pay[(e - 1) / 2] = (uint8_t)(st->carry | (v << 4));
+}
+
+/* dst[j] = high nibble of src[j] | low nibble of src[j + 1] << 4, j < cnt: shifts a packed int4 stream by one value,
+   between the odd-aligned payload and the even-aligned bytes the fast block code reads and writes. */
+static inline void shift_nibbles(const uint8_t* restrict src, int64_t cnt, uint8_t* restrict dst) {
+    int64_t j = 0;
+#if TS_AVX512
+    const __m256i lo = _mm256_set1_epi8(0x0f), hi = _mm256_set1_epi8((char)0xf0);
+    for (; j + 32 <= cnt; j += 32) {
+        __m256i a = _mm256_loadu_si256((const __m256i*)(src + j)), c = _mm256_loadu_si256((const __m256i*)(src + j + 1));
+        _mm256_storeu_si256((__m256i*)(dst + j), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), lo),
+                                                                  _mm256_and_si256(_mm256_slli_epi16(c, 4), hi)));
+    }
+    if (j < cnt) {
+        const __mmask32 k = (__mmask32)((1ull << (cnt - j)) - 1u);
+        __m256i a = _mm256_maskz_loadu_epi8(k, src + j), c = _mm256_maskz_loadu_epi8(k, src + j + 1);
+        _mm256_mask_storeu_epi8(dst + j, k, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), lo),
+                                                           _mm256_and_si256(_mm256_slli_epi16(c, 4), hi)));
+    }
+#else
+    for (; j < cnt; j++) dst[j] = (uint8_t)((src[j] >> 4) | (src[j + 1] << 4));
+#endif
+}
+
+#ifdef TS_FAST_BLOCKS
+/* Blocks J0..J1-1 of a chunk: blocks of a multiple of 32 values take the fast path (int4 ones starting on an odd
+   value through a staging buffer shifted by one nibble), the others go by runs to encode_seg_run. One specialised
+   loop per dtype and width. */
+static void encode_unit_seg(const char* x, int dt, int64_t n, const int64_t* bs, int64_t nbr, int64_t U, int bits,
+                            int64_t J0, int64_t J1, uint8_t* pay, uint8_t* sc) {
+    const int64_t es = dt == DT_F32 ? 4 : 2;
+    int64_t r = J0 / nbr, b = J0 - r * nbr, base = r * U, run = -1;
+    nib_t st = {0, 0, (int)((base + bs[b]) & 1)};
+    uint8_t L[TS_ODD_MAX / 2 + 1];
+#define TS_SEG_ENC(DT, BITS) \
+    for (int64_t J = J0; J < J1; J++) { \
+        const int64_t s = base + bs[b], m = bs[b + 1] - bs[b]; \
+        if (m % 32 == 0 && (BITS == 8 || !(s & 1) || m <= TS_ODD_MAX)) { \
+            if (run >= 0) { encode_seg_run(x, DT, bs, nbr, U, BITS, run, J, pay, sc, &st); run = -1; } \
+            float s_; \
+            if (BITS == 8 || !(s & 1)) encode_block_fast_t(x + s * es, DT, m, BITS, pay + (BITS == 8 ? s : s / 2), &s_); \
+            else { \
+                encode_block_fast_t(x + s * es, DT, m, 4, L + 1, &s_); \
+                L[0] = (uint8_t)(st.carry << 4); \
+                if (st.skip) shift_nibbles(L + 1, m / 2 - 1, pay + s / 2 + 1); \
+                else shift_nibbles(L, m / 2, pay + s / 2); \
+                st.carry = L[m / 2] >> 4; st.have = 1; st.skip = 0; \
+            } \
+            memcpy(sc + 4 * J, &s_, 4); \
+        } else if (run < 0) run = J; \
+        if (++b == nbr) { b = 0; base += U; } \
+    }
+    if (bits == 8) {
+        if (dt == DT_F32) { TS_SEG_ENC(DT_F32, 8) } else if (dt == DT_BF16) { TS_SEG_ENC(DT_BF16, 8) } else { TS_SEG_ENC(DT_F16, 8) }
+    } else {
+        if (dt == DT_F32) { TS_SEG_ENC(DT_F32, 4) } else if (dt == DT_BF16) { TS_SEG_ENC(DT_BF16, 4) } else { TS_SEG_ENC(DT_F16, 4) }
+    }
+#undef TS_SEG_ENC
+    if (run >= 0) encode_seg_run(x, dt, bs, nbr, U, bits, run, J1, pay, sc, &st);
+    if (bits == 4) finish_unit4(x, dt, n, bs, b, base, pay, &st);
+}
+static void decode_unit_seg(const uint8_t* pay, const uint8_t* sc, const int64_t* bs, int64_t nbr, int64_t U, int bits,
+                            int64_t J0, int64_t J1, char* o, int dt, int add) {
+    const int64_t es = add || dt == DT_F32 ? 4 : 2;
+    int64_t r = J0 / nbr, b = J0 - r * nbr, base = r * U;
+    uint8_t L[TS_ODD_MAX / 2];
+#define TS_SEG_DEC(DT, BITS, ADD) \
+    for (int64_t J = J0; J < J1; J++) { \
+        const int64_t s = base + bs[b], m = bs[b + 1] - bs[b]; \
+        const float scale = load_scale(sc, J); \
+        if (m % 32 == 0 && (BITS == 8 || !(s & 1))) \
+            decode_block_fast_t(pay + (BITS == 8 ? s : s / 2), scale, m, BITS, o + s * es, DT, ADD); \
+        else if (BITS == 4 && m % 32 == 0 && m <= TS_ODD_MAX) { \
+            shift_nibbles(pay + s / 2, m / 2, L); \
+            decode_block_fast_t(L, scale, m, 4, o + s * es, DT, ADD); \
+        } else decode_seg_block(pay, s, m, scale, BITS, o, DT, ADD); \
+        if (++b == nbr) { b = 0; base += U; } \
+    }
+    if (add) { if (bits == 8) { TS_SEG_DEC(DT_F32, 8, 1) } else { TS_SEG_DEC(DT_F32, 4, 1) } }
+    else if (bits == 8) {
+        if (dt == DT_F32) { TS_SEG_DEC(DT_F32, 8, 0) } else if (dt == DT_BF16) { TS_SEG_DEC(DT_BF16, 8, 0) } else { TS_SEG_DEC(DT_F16, 8, 0) }
+    } else {
+        if (dt == DT_F32) { TS_SEG_DEC(DT_F32, 4, 0) } else if (dt == DT_BF16) { TS_SEG_DEC(DT_BF16, 4, 0) } else { TS_SEG_DEC(DT_F16, 4, 0) }
+    }
+#undef TS_SEG_DEC
+}
+#else
+static void encode_unit_seg(const char* x, int dt, int64_t n, const int64_t* bs, int64_t nbr, int64_t U, int bits,
+                            int64_t J0, int64_t J1, uint8_t* pay, uint8_t* sc) {
+    const int64_t r = J0 / nbr, b = J0 - r * nbr, r1 = J1 / nbr;
+    nib_t st = {0, 0, (int)((r * U + bs[b]) & 1)};
+    encode_seg_run(x, dt, bs, nbr, U, bits, J0, J1, pay, sc, &st);
+    if (bits == 4) finish_unit4(x, dt, n, bs, J1 - r1 * nbr, r1 * U, pay, &st);
+}
+static void decode_unit_seg(const uint8_t* pay, const uint8_t* sc, const int64_t* bs, int64_t nbr, int64_t U, int bits,
+                            int64_t J0, int64_t J1, char* o, int dt, int add) {
+    int64_t r = J0 / nbr, b = J0 - r * nbr, base = r * U;
+    for (int64_t J = J0; J < J1; J++) {
+        decode_seg_block(pay, base + bs[b], bs[b + 1] - bs[b], load_scale(sc, J), bits, o, dt, add);
+        if (++b == nbr) { b = 0; base += U; }
+    }
+}
+#endif
+
+/* ts_encode / ts_decode for chunks of n = rows * U values laid out by the block table bs (nbr + 1 row offsets, see
+   above); block only sizes the work units (about 8192 values). */
+int ts_encode_seg(const void* x, int dt, int64_t n, int64_t k, const int64_t* order, const int64_t* bs, int64_t nbr,
+                  int64_t U, int64_t block, int bits, uint8_t* pay, int64_t pstride, uint8_t* sc, int64_t sstride,
+                  int64_t ppad, int nthreads) {
+    if (dt == DT_F16 && !TS_HAVE_F16) return -1;
+    if (U < 1 || nbr < 1 || n % U) return -3;
+    const int64_t nb = n / U * nbr, g = block < 8192 ? 8192 / block : 1, nu = (nb + g - 1) / g, total = k * nu;
+    const int64_t es = dt == DT_F32 ? 4 : 2, P = bits == 8 ? n : (n + 1) / 2;
+    for (int64_t i = 0; i < k && ppad > 0; i++) memset(pay + i * pstride + P, 0, (size_t)ppad);
+    if (nb == 0) return 0;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if(nthreads > 1 && total > 1)
+    for (int64_t t = 0; t < total; t++) {
+        const int64_t i = t / nu, u = t % nu, c = order ? order[i] : i;
+        const int64_t j1 = (u + 1) * g < nb ? (u + 1) * g : nb;
+        encode_unit_seg((const char*)x + c * n * es, dt, n, bs, nbr, U, bits, u * g, j1, pay + i * pstride, sc + i * sstride);
+    }
+    return 0;
+}
+
+int ts_decode_seg(const uint8_t* pay, int64_t pstride, const uint8_t* sc, int64_t sstride, int64_t k, int64_t n,
+                  const int64_t* bs, int64_t nbr, int64_t U, int64_t block, int bits, void* out, int dt,
+                  int64_t ostride, int sum, int nthreads) {
+    if (dt == DT_F16 && !TS_HAVE_F16) return -1;
+    if (sum && dt != DT_F32) return -2;
+    if (U < 1 || nbr < 1 || n % U) return -3;
+    const int64_t nb = n / U * nbr, g = block < 8192 ? 8192 / block : 1, nu = (nb + g - 1) / g;
+    const int64_t es = dt == DT_F32 ? 4 : 2;
+    if (sum) {
+        if (k == 0) { memset(out, 0, (size_t)(n * 4)); return 0; }
+        #pragma omp parallel for schedule(static) num_threads(nthreads) if(nthreads > 1 && nu > 1)
+        for (int64_t u = 0; u < nu; u++) {
+            const int64_t j1 = (u + 1) * g < nb ? (u + 1) * g : nb;
+            for (int64_t i = 0; i < k; i++)
+                decode_unit_seg(pay + i * pstride, sc + i * sstride, bs, nbr, U, bits, u * g, j1, (char*)out, DT_F32, i > 0);
+        }
+        return 0;
+    }
+    const int64_t total = k * nu;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if(nthreads > 1 && total > 1)
+    for (int64_t t = 0; t < total; t++) {
+        const int64_t i = t / nu, u = t % nu, j1 = (u + 1) * g < nb ? (u + 1) * g : nb;
+        decode_unit_seg(pay + i * pstride, sc + i * sstride, bs, nbr, U, bits, u * g, j1, (char*)out + i * ostride * es, dt, 0);
+    }
+    return 0;
+}
 """
 
 
@@ -560,10 +802,15 @@ class Kernels:
         lib.ts_encode.restype = i32
         lib.ts_decode.argtypes = [v, i64, v, i64, i64, i64, i64, i32, v, i32, i64, i32, i32]
         lib.ts_decode.restype = i32
+        lib.ts_encode_seg.argtypes = [v, i32, i64, i64, v, v, i64, i64, i64, i32, v, i64, v, i64, i64, i32]
+        lib.ts_encode_seg.restype = i32
+        lib.ts_decode_seg.argtypes = [v, i64, v, i64, i64, i64, v, i64, i64, i64, i32, v, i32, i64, i32, i32]
+        lib.ts_decode_seg.restype = i32
         lib.ts_has_f16.restype = i32
         lib.ts_simd.restype = i32
         self._lib, self.path, self.flags = lib, path, flags
         self.encode, self.decode = lib.ts_encode, lib.ts_decode
+        self.encode_seg, self.decode_seg = lib.ts_encode_seg, lib.ts_decode_seg
         self.has_f16 = bool(lib.ts_has_f16())
         self.simd = "avx512" if lib.ts_simd() == 512 else "compiler-vectorized"
 

@@ -25,17 +25,31 @@ Error bound: every element of a finite block satisfies ``|x - x_hat| <= scale_of
 rounding, about ``qmax * 2**-23 * scale``), i.e. at most ``absmax / 254`` (int8) or ``absmax / 14`` (int4).
 
 Wire format (``encode_wire`` / ``decode_wire`` / ``decode_wire_sum``): payload and scales travel in one buffer, so
-one collective moves both. ``k`` equal chunks of ``n`` values each take ``wire_bytes(n)`` bytes, chunk ``i`` at byte
-``i * wire_bytes(n)``::
+one collective moves both. ``k`` equal chunks of ``n`` values each take ``wire_bytes(n, segments)`` bytes, chunk
+``i`` at byte ``i * wire_bytes(n, segments)``::
 
     [0, P)        payload, P = payload_numel(n) bytes (int8 values or packed int4, as above)
     [P, P4)       zero bytes, P4 = 4 * ceil(P / 4), so the scales are 4-byte aligned
-    [P4, W)       scales_numel(n) fp32 scales, native byte order (little-endian on every supported machine)
+    [P4, W)       scales_numel(n, segments) fp32 scales in block order, native byte order (little-endian on every
+                  supported machine)
 
-``W = wire_bytes(n) = P4 + 4 * scales_numel(n)`` is a multiple of 4, so every chunk's scales are aligned when the
-buffer is; it is exactly what goes on the wire, and what the traffic formulas count.
+``W = wire_bytes(n, segments) = P4 + 4 * scales_numel(n, segments)`` is a multiple of 4, so every chunk's scales
+are aligned when the buffer is; it is exactly what goes on the wire, and what the traffic formulas count.
 
-The sizes are pure functions of ``numel``, so every rank can pre-allocate matching buffers. The separate
+Row layouts (``segments``): a unit's gradient buffer is a (rows x U) matrix whose rows hold one slot of every
+parameter side by side, so fixed blocks straddle parameter boundaries and a small tensor (a norm gain, a bias) shares
+its scale with a large neighbour that quantizes it to zero. The wire API therefore takes an optional row layout,
+``segments``: the widths of the segments of one row (non-negative ints, ``U = sum(segments) >= 1``). A chunk of
+``n`` values is then ``n // U`` whole rows of that layout (``n`` must be a multiple of ``U``), and blocks are cut
+inside each segment of each row: a segment of width ``w`` gets ``ceil(w / block)`` blocks, all of ``block`` values
+except the last, which holds the remaining ``w - (ceil(w / block) - 1) * block`` (a zero-width segment gets none).
+Blocks are numbered by their first value (row 0's segments left to right, then row 1's, ...) and scale ``b`` of a
+chunk is block ``b``'s, so ``scales_numel(n, segments) = (n // U) * sum(ceil(w / block) for w in segments)``. The
+payload is unchanged: the ``n`` values in order, int4 nibbles paired by position (a byte may hold the last value of
+one block and the first of the next), and so is the rest of the wire layout below. Without ``segments`` (None, the
+default) a chunk is one flat run of blocks, as above.
+
+The sizes are pure functions of ``numel`` (and ``segments``), so every rank can pre-allocate matching buffers. The separate
 payload/scales API (``encode``, ``encode_into``, ``decode_chunks``, ``decode_from``, ``decode``) stays for callers
 that move the two in separate collectives; ``decode_chunks`` decodes k concatenated encodings at once.
 
@@ -226,6 +240,94 @@ def _check_float(x: Tensor, what: str) -> Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
+Segments = Sequence[int]
+"""Widths of the segments of one row of a chunk (sum U): blocks never span two segments; see the module docstring."""
+
+
+class _Layout:
+    """One row layout cut into blocks for one block size: built once per distinct (block, segments), then reused by
+    every call, because a unit's layout never changes and the tables cost O(blocks per row) to build.
+
+    ``starts`` holds the ``nbr + 1`` block boundaries of one row (``starts[0] = 0``, ``starts[nbr] = U``): block
+    ``b`` of a row covers columns ``[starts[b], starts[b + 1])``. The C kernels read it as an int64 array, the
+    Triton kernels as an int64 tensor on the device; the reference path uses index tensors derived from it.
+    """
+
+    __slots__ = ("block", "widths", "U", "nbr", "starts", "c_starts", "c_addr", "_tables", "_ref")
+
+    def __init__(self, block: int, widths: tuple[int, ...]):
+        starts = [0]
+        pos = 0
+        for w in widths:
+            if w:
+                starts.extend(range(pos + block, pos + w, block))
+                starts.append(pos + w)
+                pos += w
+        self.block, self.widths, self.U, self.nbr = block, widths, pos, len(starts) - 1
+        self.starts = starts
+        self.c_starts = (ctypes.c_int64 * len(starts))(*starts)
+        self.c_addr = ctypes.addressof(self.c_starts)
+        self._tables: dict[str, Tensor] = {}
+        self._ref: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
+
+    def rows(self, n: int) -> int:
+        """Rows in a chunk of ``n`` values; a chunk must be whole rows."""
+        if n % self.U:
+            raise ValueError(f"a chunk of {n} values is not a whole number of rows of the layout: segments sum to "
+                             f"U = {self.U}, and n must be a multiple of U")
+        return n // self.U
+
+    def table(self, device: torch.device) -> Tensor:
+        """``starts`` as an int64 tensor on ``device`` (for the Triton kernels), copied there once."""
+        key = str(device)
+        t = self._tables.get(key)
+        if t is None:
+            t = self._tables[key] = torch.tensor(self.starts, dtype=torch.int64, device=device)
+        return t
+
+    def ref_index(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """Index tensors for the reference path, made once per device. Each row is laid out padded, every block
+        widened to ``block`` values (the padding reads column U, a zero column): ``gather`` (nbr * block) is the
+        source column of each padded position, ``place`` (U) the padded position of each column, ``owner`` (U) the
+        block of each column."""
+        key = str(device)
+        idx = self._ref.get(key)
+        if idx is None:
+            starts = torch.tensor(self.starts, dtype=torch.int64)
+            lens = starts[1:] - starts[:-1]
+            owner = torch.repeat_interleave(torch.arange(self.nbr), lens)
+            col = torch.arange(self.U)
+            place = owner * self.block + (col - starts[:-1][owner])
+            gather = torch.full((self.nbr * self.block,), self.U, dtype=torch.int64)
+            gather[place] = col
+            idx = self._ref[key] = (gather.to(device), place.to(device), owner.to(device))
+        return idx
+
+
+_LAYOUTS: dict[tuple, _Layout] = {}
+
+
+def _layout(block: int, segments: Segments) -> _Layout:
+    """The cached layout of ``segments`` for ``block``; raises ValueError for widths that are not a row layout."""
+    if isinstance(segments, Tensor):
+        segments = segments.tolist()
+    try:
+        key = (block, segments if isinstance(segments, tuple) else tuple(segments))
+    except TypeError:
+        raise ValueError(f"segments must be a sequence of segment widths, got {segments!r}") from None
+    lay = _LAYOUTS.get(key)
+    if lay is None:
+        widths = key[1]
+        if (not widths or any(isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in widths)
+                or sum(widths) < 1):
+            raise ValueError(f"segments must be non-negative integer widths with a positive sum, got {list(widths)}")
+        lay = _Layout(block, widths)
+        if len(_LAYOUTS) > 1024:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = lay
+    return lay
+
+
 @dataclass(frozen=True)
 class BlockCodec:
     """Symmetric absmax quantizer with ``bits`` in {8, 4} and one fp32 scale per ``block`` values."""
@@ -257,35 +359,51 @@ class BlockCodec:
         """Payload bytes (= elements, the payload dtype is one byte) for ``numel`` values."""
         return numel if self.bits == 8 else (numel + 1) // 2
 
-    def scales_numel(self, numel: int) -> int:
-        """Number of fp32 scales (blocks) for ``numel`` values."""
-        return -(-numel // self.block)
+    def scales_numel(self, numel: int, segments: Segments | None = None) -> int:
+        """Number of fp32 scales (blocks) for ``numel`` values: ``ceil(numel / block)``, or with a row layout
+        ``numel // U`` rows of ``sum(ceil(w / block))`` blocks each (``numel`` must be a multiple of ``U``)."""
+        if segments is None:
+            return -(-numel // self.block)
+        lay = _layout(self.block, segments)
+        return lay.rows(numel) * lay.nbr
 
     def padded_payload_bytes(self, numel: int) -> int:
         """Payload bytes rounded up to a multiple of 4: where a wire chunk's scales start."""
         return -(-self.payload_numel(numel) // 4) * 4
 
-    def wire_bytes(self, numel: int) -> int:
-        """Bytes on the wire for one chunk of ``numel`` values: padded payload plus 4 bytes per scale."""
-        return self.padded_payload_bytes(numel) + 4 * self.scales_numel(numel)
+    def wire_bytes(self, numel: int, segments: Segments | None = None) -> int:
+        """Bytes on the wire for one chunk of ``numel`` values: padded payload plus 4 bytes per scale (the payload
+        does not depend on ``segments``, only the number of scales does)."""
+        return self.padded_payload_bytes(numel) + 4 * self.scales_numel(numel, segments)
+
+    def _layout(self, segments: Segments) -> _Layout:
+        return _layout(self.block, segments)
 
     # ---- reference path: plain torch, vectorised over k chunks ------------------------------------------
     @torch.no_grad()
-    def _ref_encode(self, rows: Tensor) -> tuple[Tensor, Tensor]:
-        """(k, n) float values -> (k, payload_numel) payload and (k, nblocks) fp32 scales."""
+    def _ref_encode(self, rows: Tensor, lay: _Layout | None = None) -> tuple[Tensor, Tensor]:
+        """(k, n) float values -> (k, payload_numel) payload and (k, nblocks) fp32 scales; with a row layout every
+        block is first widened to ``block`` values in a padded copy of each row."""
         k, n = rows.shape
-        nb = self.scales_numel(n)
+        nb = self.scales_numel(n) if lay is None else lay.rows(n) * lay.nbr
         x = rows.float()
-        if nb * self.block != n:  # zero padding: costs no error because 0 encodes exactly
+        if lay is not None:
+            gather, place, _ = lay.ref_index(x.device)
+            x = torch.nn.functional.pad(x.reshape(-1, lay.U), (0, 1)).index_select(1, gather)  # column U is 0
+        elif nb * self.block != n:  # zero padding: costs no error because 0 encodes exactly
             x = torch.nn.functional.pad(x, (0, nb * self.block - n))
-        blocks = x.view(k, nb, self.block)
+        blocks = x.reshape(k, nb, self.block)
         amax = blocks.abs().amax(dim=2)  # propagates nan, and inf stays inf
         finite = torch.isfinite(amax)
         scales = torch.where(finite, amax / self.qmax, torch.full_like(amax, float("nan")))
         # Dividing by 1 in zero blocks gives exact zeros (and no 0/0); scales stay 0 so decoding gives 0 too.
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         q = torch.round(blocks / safe[..., None]).clamp_(-self.qmax, self.qmax)
-        q = torch.where(finite[..., None], q, torch.zeros_like(q)).view(k, -1)[:, :n]
+        q = torch.where(finite[..., None], q, torch.zeros_like(q))
+        if lay is not None:  # back from the padded rows to the real columns
+            q = q.reshape(-1, lay.nbr * self.block).index_select(1, place).reshape(k, n)
+        else:
+            q = q.view(k, -1)[:, :n]
         if self.bits == 8:
             return q.to(torch.int8), scales
         if n % 2:
@@ -294,18 +412,21 @@ class BlockCodec:
         return nib[..., 0] | (nib[..., 1] << 4), scales
 
     @torch.no_grad()
-    def _ref_decode(self, payload: Tensor, scales: Tensor, n: int) -> Tensor:
+    def _ref_decode(self, payload: Tensor, scales: Tensor, n: int, lay: _Layout | None = None) -> Tensor:
         """(k, payload_numel) payload and (k, nblocks) fp32 scales -> (k, n) fp32 values."""
         k = payload.shape[0]
         if self.bits == 8:
             q = payload.view(torch.int8).float()
         else:
             q = torch.stack([payload & 0xF, payload >> 4], dim=2).view(k, -1)[:, :n].float() - 8
+        if lay is not None:  # each column's block, row by row
+            owner = lay.ref_index(payload.device)[2]
+            return q * scales.float().reshape(-1, lay.nbr).index_select(1, owner).reshape(k, n)
         return q * scales.float().repeat_interleave(self.block, dim=1)[:, :n]
 
     @torch.no_grad()
     def _ref_encode_rows(self, x: Tensor, k: int, n: int, order: Order, pay: Tensor, sc: Tensor,
-                         pad: Tensor | None) -> None:
+                         pad: Tensor | None, lay: _Layout | None = None) -> None:
         """Reference encode of chunk order[i] (or i) of flat ``x`` into uint8 row views pay[i], sc[i]; zero pad."""
         if n == 0:
             return
@@ -313,7 +434,7 @@ class BlockCodec:
         idx = _order_index(order, k, x.device)
         if idx is not None:
             rows = rows.index_select(0, idx)
-        payload, scales = self._ref_encode(rows)
+        payload, scales = self._ref_encode(rows, lay)
         pay.copy_(payload.view(torch.uint8))
         sc.copy_(scales.view(torch.uint8))
         if pad is not None:
@@ -321,11 +442,11 @@ class BlockCodec:
 
     @torch.no_grad()
     def _ref_decode_rows(self, pay: Tensor, sc: Tensor, k: int, n: int, out: Tensor | None,
-                         sum_out: Tensor | None) -> None:
+                         sum_out: Tensor | None, lay: _Layout | None = None) -> None:
         """Reference decode of uint8 row views into flat ``out`` (k*n values) or, summed in fp32, ``sum_out``."""
         if n == 0:
             return
-        values = self._ref_decode(pay, sc.contiguous().view(torch.float32), n)
+        values = self._ref_decode(pay, sc.contiguous().view(torch.float32), n, lay)
         if out is not None:
             out.view(k, n).copy_(values)
         elif k == 0:
@@ -347,6 +468,22 @@ class BlockCodec:
                   sum_rows: bool) -> None:
         rc = lib.decode(pay, pstride, sc, sstride, k, n, self.block, self.bits, out.data_ptr(), _DTYPE_CODE[out.dtype],
                         n, sum_rows, _threads(k * n))
+        if rc:
+            raise RuntimeError(f"codec kernel decode failed ({rc}) for {out.dtype}")
+
+    def _c_encode_seg(self, lib, x: Tensor, k: int, n: int, order: Order, lay: _Layout, pay: int, stride: int,
+                      sc: int, pad: int) -> None:
+        arr = _order_array(order, k)
+        rc = lib.encode_seg(x.data_ptr(), _DTYPE_CODE[x.dtype], n, k, None if arr is None else ctypes.addressof(arr),
+                            lay.c_addr, lay.nbr, lay.U, self.block, self.bits, pay, stride, sc, stride, pad,
+                            _threads(k * n))
+        if rc:
+            raise RuntimeError(f"codec kernel encode failed ({rc}) for {x.dtype}")
+
+    def _c_decode_seg(self, lib, pay: int, stride: int, sc: int, k: int, n: int, lay: _Layout, out: Tensor,
+                      sum_rows: bool) -> None:
+        rc = lib.decode_seg(pay, stride, sc, stride, k, n, lay.c_addr, lay.nbr, lay.U, self.block, self.bits,
+                            out.data_ptr(), _DTYPE_CODE[out.dtype], n, sum_rows, _threads(k * n))
         if rc:
             raise RuntimeError(f"codec kernel decode failed ({rc}) for {out.dtype}")
 
@@ -427,30 +564,39 @@ class BlockCodec:
         return self.decode_chunks(enc.payload, enc.scales, 1, enc.numel, dtype, out)
 
     # ---- wire API: payload and scales in one buffer, one collective ----------------------------------------
-    def _check_wire(self, wire: Tensor, k: int, n: int) -> int:
-        W = self.wire_bytes(n)
+    def _check_wire(self, wire: Tensor, k: int, n: int, W: int | None = None) -> int:
+        W = self.wire_bytes(n) if W is None else W
         if wire.dtype != torch.uint8 or wire.numel() != k * W or not wire.is_contiguous():
             raise ValueError(f"wire must be a contiguous uint8 tensor of {k} x wire_bytes({n}) = {k * W} bytes, "
                              f"got {wire.numel()} {wire.dtype}{'' if wire.is_contiguous() else ' (non-contiguous)'}")
         return W
 
-    def _wire_views(self, wire: Tensor, k: int, n: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    def _wire_views(self, wire: Tensor, k: int, n: int, W: int | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         """(payload, scales, padding) row views of a checked wire buffer, for the reference path."""
         P, P4 = self.payload_numel(n), self.padded_payload_bytes(n)
-        rows = wire.view(k, self.wire_bytes(n))
+        rows = wire.view(k, self.wire_bytes(n) if W is None else W)
         return rows[:, :P], rows[:, P4:], rows[:, P:P4] if P4 > P else None
 
-    def encode_wire(self, x: Tensor, k: int, out: Tensor | None = None, order: Order = None) -> Tensor:
-        """Encode ``x`` (k*n values) as k wire chunks in ``out`` (uint8, k * wire_bytes(n)): row i <- chunk order[i].
+    def _seg_wire_bytes(self, n: int, lay: _Layout) -> int:
+        return self.padded_payload_bytes(n) + 4 * lay.rows(n) * lay.nbr
+
+    def encode_wire(self, x: Tensor, k: int, out: Tensor | None = None, order: Order = None,
+                    segments: Segments | None = None) -> Tensor:
+        """Encode ``x`` (k*n values) as k wire chunks in ``out`` (uint8, k * wire_bytes(n, segments)): row i <- chunk
+        order[i].
 
         ``order`` (ints, or an int tensor on x's device) writes an all-to-all input in member order without a
-        permuted copy of ``x``: member i receives row i. Returns ``out`` (allocated when None).
+        permuted copy of ``x``: member i receives row i. ``segments`` (the widths of one row's segments, see the
+        module docstring) keeps every block inside one segment of one row, so a small tensor packed beside a large
+        one keeps its own scale. Returns ``out`` (allocated when None).
         """
         x = _check_float(x, "x")
         N = x.numel()
         if k < 1 or N % k:
             raise ValueError(f"x must hold k equal chunks, got {N} values for k={k}")
         n = N // k
+        if segments is not None:
+            return self._encode_wire_seg(x, k, n, out, order, _layout(self.block, segments))
         if out is None:
             out = torch.empty(k * self.wire_bytes(n), dtype=torch.uint8, device=x.device)
         W = self._check_wire(out, k, n)
@@ -467,11 +613,30 @@ class BlockCodec:
             self._ref_encode_rows(x.view(-1), k, n, order, *self._wire_views(out, k, n))
         return out
 
+    def _encode_wire_seg(self, x: Tensor, k: int, n: int, out: Tensor | None, order: Order, lay: _Layout) -> Tensor:
+        W = self._seg_wire_bytes(n, lay)
+        if out is None:
+            out = torch.empty(k * W, dtype=torch.uint8, device=x.device)
+        self._check_wire(out, k, n, W)
+        if out.device != x.device:
+            raise ValueError(f"out is on {out.device}, x on {x.device}")
+        lib = _cpu_lib(x, x.dtype)
+        if lib is not None:
+            P, P4 = self.payload_numel(n), self.padded_payload_bytes(n)
+            base = out.data_ptr()
+            self._c_encode_seg(lib, x, k, n, order, lay, base, W, base + P4, P4 - P)
+        elif (tk := _gpu_lib(x, out)) is not None:
+            tk.encode_wire_seg(self, x.view(-1), k, n, out, _order_index(order, k, x.device), lay)
+        else:
+            self._ref_encode_rows(x.view(-1), k, n, order, *self._wire_views(out, k, n, W), lay)
+        return out
+
     def decode_wire(self, wire: Tensor, k: int, n: int, out: Tensor | None = None,
-                    dtype: torch.dtype = torch.float32) -> Tensor:
+                    dtype: torch.dtype = torch.float32, segments: Segments | None = None) -> Tensor:
         """Decode k wire chunks of n values into flat ``out`` (k*n values, any float dtype; a new ``dtype`` tensor
-        when None). Returns ``out``."""
-        W = self._check_wire(wire, k, n)
+        when None), with the ``segments`` they were encoded with. Returns ``out``."""
+        lay = None if segments is None else _layout(self.block, segments)
+        W = self._check_wire(wire, k, n, None if lay is None else self._seg_wire_bytes(n, lay))
         if out is None:
             out = torch.empty(k * n, dtype=dtype, device=wire.device)
         if out.numel() != k * n or out.dtype not in _FLOATS or out.device != wire.device:
@@ -481,20 +646,28 @@ class BlockCodec:
         lib = _cpu_lib(wire, out.dtype)
         if lib is not None:
             base = wire.data_ptr()
-            self._c_decode(lib, base, W, base + self.padded_payload_bytes(n), W, k, n, target, False)
+            if lay is None:
+                self._c_decode(lib, base, W, base + self.padded_payload_bytes(n), W, k, n, target, False)
+            else:
+                self._c_decode_seg(lib, base, W, base + self.padded_payload_bytes(n), k, n, lay, target, False)
         elif (tk := _gpu_lib(wire, wire)) is not None:
-            tk.decode_wire(self, wire, k, n, target.view(-1))
+            if lay is None:
+                tk.decode_wire(self, wire, k, n, target.view(-1))
+            else:
+                tk.decode_wire_seg(self, wire, k, n, target.view(-1), lay)
         else:
-            pay, sc, _ = self._wire_views(wire, k, n)
-            self._ref_decode_rows(pay, sc, k, n, target.view(-1), None)
+            pay, sc, _ = self._wire_views(wire, k, n, W)
+            self._ref_decode_rows(pay, sc, k, n, target.view(-1), None, lay)
         if target is not out:
             out.copy_(target.view(out.shape))
         return out
 
-    def decode_wire_sum(self, wire: Tensor, k: int, n: int, out: Tensor | None = None) -> Tensor:
-        """Decode k wire chunks of n values and add them in fp32, row 0 first, in one pass: the receive side of a
-        quantized reduce-scatter. Returns ``out`` (n fp32 values, allocated when None)."""
-        W = self._check_wire(wire, k, n)
+    def decode_wire_sum(self, wire: Tensor, k: int, n: int, out: Tensor | None = None,
+                        segments: Segments | None = None) -> Tensor:
+        """Decode k wire chunks of n values (encoded with ``segments``) and add them in fp32, row 0 first, in one
+        pass: the receive side of a quantized reduce-scatter. Returns ``out`` (n fp32 values, allocated when None)."""
+        lay = None if segments is None else _layout(self.block, segments)
+        W = self._check_wire(wire, k, n, None if lay is None else self._seg_wire_bytes(n, lay))
         if out is None:
             out = torch.empty(n, dtype=torch.float32, device=wire.device)
         if out.numel() != n or out.dtype != torch.float32 or not out.is_contiguous() or out.device != wire.device:
@@ -502,12 +675,18 @@ class BlockCodec:
         lib = _cpu_lib(wire, torch.float32)
         if lib is not None:
             base = wire.data_ptr()
-            self._c_decode(lib, base, W, base + self.padded_payload_bytes(n), W, k, n, out, True)
+            if lay is None:
+                self._c_decode(lib, base, W, base + self.padded_payload_bytes(n), W, k, n, out, True)
+            else:
+                self._c_decode_seg(lib, base, W, base + self.padded_payload_bytes(n), k, n, lay, out, True)
         elif (tk := _gpu_lib(wire, wire)) is not None:
-            tk.decode_wire_sum(self, wire, k, n, out.view(-1))
+            if lay is None:
+                tk.decode_wire_sum(self, wire, k, n, out.view(-1))
+            else:
+                tk.decode_wire_sum_seg(self, wire, k, n, out.view(-1), lay)
         else:
-            pay, sc, _ = self._wire_views(wire, k, n)
-            self._ref_decode_rows(pay, sc, k, n, None, out.view(-1))
+            pay, sc, _ = self._wire_views(wire, k, n, W)
+            self._ref_decode_rows(pay, sc, k, n, None, out.view(-1), lay)
         return out
 
 

@@ -87,6 +87,24 @@ def _ring_reduce_scatter(out: torch.Tensor, by_rank: torch.Tensor, group: "TierG
     out.copy_(send)
 
 
+def gather_to_first(out: torch.Tensor, shard: torch.Tensor, group: "TierGroup", topology: "Topology",
+                    op: str) -> None:
+    """Like ``all_gather``, but only the group's first rank receives (``out`` is ignored elsewhere): what a
+    state dict for one rank needs, without the whole model on every rank."""
+    if group.size == 1:
+        out.copy_(shard)
+        return
+    first = group.ranks[0]
+    if topology.rank == first:
+        by_rank = list(torch.empty(out.numel(), dtype=out.dtype, device=out.device).chunk(group.size))
+        dist.gather(shard.contiguous(), by_rank, dst=first, group=group.pg)
+        out.view(group.size, -1).index_copy_(0, _slot_index(group, out.device), torch.stack(by_rank))
+    else:
+        dist.gather(shard.contiguous(), None, dst=first, group=group.pg)
+    LEDGER.record(op, "gather", group.ranks, out.numel() * out.element_size() if topology.rank == first else
+                  shard.numel() * shard.element_size() * group.size, topology.rank, topology)
+
+
 def all_reduce(buf: torch.Tensor, group: "TierGroup", topology: "Topology", op: str) -> None:
     """Sum ``buf`` over the group in place."""
     if group.size == 1:

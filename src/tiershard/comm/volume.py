@@ -9,6 +9,7 @@ buffer, the all-to-all input):
     all_gather, reduce_scatter: each rank sends (k-1)/k * S to its ring successor
     all_reduce:                 each rank sends 2 (k-1)/k * S to its ring successor
     all_to_all:                 each rank sends S/k to every other member
+    gather:                     each rank but the first sends S/k to the first (state dicts for one rank)
 
 The engine records every collective through ``rank_bytes``; the cost model sums the same function over ranks,
 so a prediction and a measurement can only differ if the schedule differs.
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Sequence
 if TYPE_CHECKING:
     from ..topology import Topology
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "gather")
 
 
 def rank_bytes(kind: str, ranks: Sequence[int], nbytes: int, rank: int, topology: "Topology") -> dict[str, int]:
@@ -39,6 +40,8 @@ def rank_bytes(kind: str, ranks: Sequence[int], nbytes: int, rank: int, topology
                 tier = topology.tier_of_link(rank, peer)
                 out[tier] = out.get(tier, 0) + nbytes // k
         return out
+    if kind == "gather":
+        return {} if rank == ranks[0] else {topology.tier_of_link(rank, ranks[0]): nbytes // k}
     raise ValueError(f"unknown collective kind {kind!r}; known: {KINDS}")
 
 

@@ -174,16 +174,26 @@ def _units_layouts(engine: Engine):
 
 
 @torch.no_grad()
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter (under each of its original names) as a full fp32 tensor, and the persistent buffers."""
+def full_state_dict(model: nn.Module, rank0_only: bool = False, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter (under each of its original names) as a full fp32 tensor, and the persistent buffers.
+
+    Built unit by unit: a rank holds one unit's gathered values at a time besides what it returns. With
+    ``rank0_only`` only rank 0 receives and returns the model (the others return ``{}``), so the whole model
+    never exists on more than one rank; ``cpu_offload`` moves each tensor to the CPU as soon as it is made.
+    What ``model.save_pretrained(out, state_dict=...)`` takes (on rank 0).
+    """
     engine = _engine(model)
     out: dict[str, torch.Tensor] = {}
+    keep = not rank0_only or dist.get_rank() == 0
     for group in engine.groups():
-        for layout, tensor in zip(group.layouts, group.full_values()):
+        for layout, tensor in zip(group.layouts, group.full_values(rank0_only)):
+            if cpu_offload:
+                tensor = tensor.cpu()
             for name in layout.names:
                 out[name] = tensor
-    for name, buf in _persistent_buffers(model):
-        out[name] = buf.detach().clone()
+    if keep:
+        for name, buf in _persistent_buffers(model):
+            out[name] = buf.detach().to("cpu" if cpu_offload else buf.device, copy=True)
     return out
 
 

@@ -181,11 +181,20 @@ class FlatGroup:
             out.copy_(layout.band(0, self.W).real(padded))
 
     @torch.no_grad()
-    def full_values(self) -> list[torch.Tensor]:
-        """Every parameter's full fp32 value, on every rank: one all-gather of the masters for the group."""
+    def full_values(self, rank0_only: bool = False) -> list[torch.Tensor]:
+        """Every parameter's full fp32 value: one all-gather of the masters for the group, or with
+        ``rank0_only`` one gather to rank 0 (the other ranks get an empty list and hold nothing more)."""
         band = self._pack_masters(torch.float32)
-        full = torch.empty(self.S, device=self.device)
-        C.all_gather(full, band, self.group(0, self.pl.os), self.topo, "state_dict")
+        group = self.group(0, self.pl.os)
+        if rank0_only and 0 not in group.ranks:
+            return []
+        full = torch.empty(self.S if not rank0_only or self.rank == 0 else 0, device=self.device)
+        if rank0_only:
+            C.gather_to_first(full, band, group, self.topo, "state_dict")
+        else:
+            C.all_gather(full, band, group, self.topo, "state_dict")
+        if rank0_only and self.rank != 0:
+            return []
         outs = [torch.empty(layout.shape, device=self.device) for layout in self.layouts]
         self._split_full(full, outs)
         return outs
