@@ -10,6 +10,12 @@ a qwZ gather would:
 - e+d vs memcpy = time(memcpy) / (time(encode) + time(decode)), in percent: the codec's round trip moves the input's
   bytes at that fraction of the speed of copying them.
 
+Layouts (``--layouts``): ``flat`` encodes each chunk as one run of blocks (``segments=None``, qwZ's case); ``rows``
+cuts each chunk into 2 rows of a model-like row layout (qgZ's case: ``segments=``, blocks never span two segments),
+24 segments per row: 12 small ones (1, 7, 96, 96, 33, 288, 96, 12, 96, 384, 5, 96 values: norm gains, biases, two
+odd-sized) between 12 large ones in proportions 3:1:4:4 of the rest. The odd widths put most int4 blocks on an odd
+first value, the costlier case for the packed nibbles.
+
 Every time is the best of ``--reps`` runs of one operation repeated back to back (its buffers hot in cache, which
 favours memcpy most), spread over 4 rounds that alternate between the operations: the machine is shared, so the
 best run is the least disturbed one, and alternating exposes all four to the same disturbances.
@@ -36,7 +42,22 @@ def _size(text: str) -> int:
     return int(text[:-1]) * mult[text[-1].upper()] if text[-1].upper() in mult else int(text)
 
 
-def measure(codec: BlockCodec, n: int, dtype: torch.dtype, reps: int) -> dict[str, float]:
+ROWS = 2
+SMALL = (1, 7, 96, 96, 33, 288, 96, 12, 96, 384, 5, 96)
+
+
+def row_layout(U: int) -> list[int]:
+    """The ``rows`` layout of one row of U values: the small segments of SMALL, each after a large one."""
+    rest = U - sum(SMALL)
+    if rest < 12:
+        raise ValueError(f"a row of {U} values cannot hold the layout's segments")
+    props = [3, 1, 4, 4] * 3
+    large = [rest * p // sum(props) for p in props]
+    large[-1] += rest - sum(large)
+    return [w for pair in zip(large, SMALL) for w in pair]
+
+
+def measure(codec: BlockCodec, n: int, dtype: torch.dtype, reps: int, layout: str = "flat") -> dict[str, float]:
     """Best seconds of memcpy, encode, decode and decode-sum of n values of dtype (K chunks). Each operation runs
     back to back in 4 rounds that alternate with the others', so a disturbance from other processes cannot hit only
     one of them."""
@@ -44,15 +65,16 @@ def measure(codec: BlockCodec, n: int, dtype: torch.dtype, reps: int) -> dict[st
     x = torch.randn(n, generator=g).to(dtype)
     y = torch.empty_like(x)
     chunk = n // K
-    wire = torch.empty(K * codec.wire_bytes(chunk), dtype=torch.uint8)
+    segments = None if layout == "flat" else row_layout(chunk // ROWS)
+    wire = torch.empty(K * codec.wire_bytes(chunk, segments), dtype=torch.uint8)
     out = torch.empty_like(x)
     total = torch.empty(chunk)
     order = list(reversed(range(K)))
     ops = {
         "memcpy": lambda: y.copy_(x),
-        "encode": lambda: codec.encode_wire(x, K, wire, order),
-        "decode": lambda: codec.decode_wire(wire, K, chunk, out),
-        "sum": lambda: codec.decode_wire_sum(wire, K, chunk, total),
+        "encode": lambda: codec.encode_wire(x, K, wire, order, segments),
+        "decode": lambda: codec.decode_wire(wire, K, chunk, out, segments=segments),
+        "sum": lambda: codec.decode_wire_sum(wire, K, chunk, total, segments=segments),
     }
     best = dict.fromkeys(ops, float("inf"))
     rounds = 4
@@ -72,6 +94,7 @@ def main() -> None:
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--layouts", nargs="+", default=["flat", "rows"], choices=["flat", "rows"])
     args = ap.parse_args()
 
     status = kernel_status()
@@ -79,23 +102,25 @@ def main() -> None:
     print(f"{machine}, torch {torch.__version__}; codec backend (cpu): {status['cpu']}")
     print(f"GB/s of input bytes (N values x dtype size), {K} chunks, best of {args.reps}; "
           f"e+d = memcpy time / (encode + decode time)")
-    header = (f"{'threads':>7} {'values':>9} {'dtype':>8} {'codec':>9} {'memcpy':>8} {'encode':>8} {'decode':>8} "
-              f"{'sum':>8} {'e+d/memcpy':>10}")
+    header = (f"{'threads':>7} {'values':>9} {'dtype':>8} {'codec':>9} {'layout':>6} {'memcpy':>8} {'encode':>8} "
+              f"{'decode':>8} {'sum':>8} {'e+d/memcpy':>10}")
     print(header)
     print("-" * len(header))
     for threads in args.threads:
         torch.set_num_threads(threads)
         for size in args.sizes:
-            n = _size(size) // K * K
+            n = _size(size) // (K * ROWS) * (K * ROWS)
             for dname in args.dtypes:
                 dtype = getattr(torch, dname)
                 nbytes = n * dtype.itemsize
                 for codec in (INT8, INT4):
-                    t = measure(codec, n, dtype, args.reps)
-                    gbs = {key: nbytes / sec / 1e9 for key, sec in t.items()}
-                    ratio = 100 * t["memcpy"] / (t["encode"] + t["decode"])
-                    print(f"{threads:>7} {size:>9} {dname:>8} {codec.spec:>9} {gbs['memcpy']:>8.1f} "
-                          f"{gbs['encode']:>8.1f} {gbs['decode']:>8.1f} {gbs['sum']:>8.1f} {ratio:>9.0f}%", flush=True)
+                    for layout in args.layouts:
+                        t = measure(codec, n, dtype, args.reps, layout)
+                        gbs = {key: nbytes / sec / 1e9 for key, sec in t.items()}
+                        ratio = 100 * t["memcpy"] / (t["encode"] + t["decode"])
+                        print(f"{threads:>7} {size:>9} {dname:>8} {codec.spec:>9} {layout:>6} {gbs['memcpy']:>8.1f} "
+                              f"{gbs['encode']:>8.1f} {gbs['decode']:>8.1f} {gbs['sum']:>8.1f} {ratio:>9.0f}%",
+                              flush=True)
 
 
 if __name__ == "__main__":

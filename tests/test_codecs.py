@@ -1,5 +1,6 @@
 """Block codecs: error bound, exact layout against a loop reference, zero/non-finite handling, sizes, chunked decode,
-the wire format, and the fused CPU and Triton kernels against the torch reference, bit for bit."""
+the wire format (flat and with a row layout of segments), and the fused CPU and Triton kernels against the torch
+reference, bit for bit."""
 from __future__ import annotations
 
 import math
@@ -423,6 +424,19 @@ def test_other_builds_equal_reference(flags: tuple[str, ...], tmp_path, monkeypa
             assert torch.equal(fused, ref)
             assert same_bits(codec.decode_wire(fused, 2, 1500, dtype=dtype), ref_dec[dtype])
             assert same_bits(codec.decode_wire_sum(fused, 2, 1500), ref_sum)
+    for codec, segments, rows, k in _seg_cases()[:6]:
+        n = rows * sum(segments)
+        for dtype in DTYPES if lib.has_f16 else DTYPES[:2]:
+            x = _awkward(k * n, dtype, seed=5)
+            fused = codec.encode_wire(x, k, order=list(reversed(range(k))), segments=segments)
+            with monkeypatch.context() as m:
+                m.setattr(codecs, "_force_reference", True)
+                ref = codec.encode_wire(x, k, order=list(reversed(range(k))), segments=segments)
+                ref_dec = codec.decode_wire(ref, k, n, dtype=dtype, segments=segments)
+                ref_sum = codec.decode_wire_sum(ref, k, n, segments=segments)
+            assert torch.equal(fused, ref), (codec, segments, dtype)
+            assert same_bits(codec.decode_wire(fused, k, n, dtype=dtype, segments=segments), ref_dec)
+            assert same_bits(codec.decode_wire_sum(fused, k, n, segments=segments), ref_sum)
 
 
 def test_reference_path_without_kernels(reference_path: None) -> None:
@@ -436,10 +450,238 @@ def test_reference_path_without_kernels(reference_path: None) -> None:
     assert torch.equal(INT4.decode_wire_sum(wire, 3, 700), (dec[0] + dec[1]) + dec[2])
 
 
+# ---- row layouts: blocks never span two segments ---------------------------------------------------------------
+
+SEG_LAYOUTS = [(1, 64, 37, 96, 3, 33, 130), (7,), (0, 5, 0, 200), (64, 64), (2, 1, 1, 300)]
+
+
+def _seg_reference(codec: BlockCodec, x: torch.Tensor, segments,
+                   payload: bool = True) -> tuple[list[int], list[float], torch.Tensor]:
+    """Row-by-row, segment-by-segment loop, cutting each segment into blocks from its own first value: the layout the
+    module docstring promises. Returns payload bytes (if asked), scales in block order, and each value's scale."""
+    x = x.reshape(-1).float()
+    U = sum(segments)
+    qs: list[int] = []
+    scales: list[float] = []
+    per_value = torch.empty_like(x)
+    for row in range(0, x.numel(), U):
+        col = row
+        for w in segments:
+            for start in range(col, col + w, codec.block):
+                blk = x[start:min(start + codec.block, col + w)]
+                s = blk.abs().max() / codec.qmax
+                scales.append(float(s))
+                per_value[start:start + blk.numel()] = s
+                if payload:
+                    q = torch.round(blk / s) if s > 0 else torch.zeros_like(blk)
+                    qs += q.clamp(-codec.qmax, codec.qmax).to(torch.int64).tolist()
+            col += w
+    if codec.bits == 4:
+        if len(qs) % 2:
+            qs.append(0)
+        qs = [(qs[i] + 8) | ((qs[i + 1] + 8) << 4) for i in range(0, len(qs), 2)]
+    return [q & 0xFF for q in qs], scales, per_value
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.spec)
+def test_segments_layout_matches_loop_reference(backend: str, codec: BlockCodec) -> None:
+    g = torch.Generator().manual_seed(21)
+    for segments in SEG_LAYOUTS:
+        U = sum(segments)
+        for rows in (1, 3):
+            n = rows * U
+            x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))
+            x[0] = 0.0
+            pay, scales, _ = _seg_reference(codec, x, segments)
+            wire = codec.encode_wire(x, 1, segments=segments)
+            P, P4 = codec.payload_numel(n), codec.padded_payload_bytes(n)
+            assert wire.numel() == codec.wire_bytes(n, segments) == P4 + 4 * len(scales)
+            assert wire[:P].tolist() == pay, (segments, rows)
+            assert not wire[P:P4].any()
+            assert wire[P4:].view(torch.float32).tolist() == scales, (segments, rows)
+
+
+@pytest.mark.parametrize("codec", [INT8, INT4, BlockCodec(4, 37)], ids=lambda c: c.spec)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_segments_roundtrip_within_half_step_per_block(backend: str, codec: BlockCodec, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(codec.bits + codec.block)
+    segments = (3, 2 * codec.block + 5, 1, codec.block, 70)
+    rows, k = 2, 3
+    n = rows * sum(segments)
+    x = (torch.randn(k * n, generator=g) * 3).to(dtype)
+    xf = x.float()
+    wire = codec.encode_wire(x, k, segments=segments)
+    s = torch.cat([_seg_reference(codec, xf[i * n:(i + 1) * n], segments, payload=False)[2] for i in range(k)])
+    for out_dtype in (torch.float32, dtype):
+        err = (xf - codec.decode_wire(wire, k, n, dtype=out_dtype, segments=segments).float()).abs()
+        slack = s * codec.qmax * 2.0**-22 + (0 if out_dtype == torch.float32 else xf.abs() * 2.0**-8)
+        assert torch.all(err <= s / 2 + slack), (out_dtype, float((err / s).max()))
+
+
+def test_segments_keep_a_small_tensor_beside_a_large_one(backend: str) -> None:
+    """A norm gain's few values packed beside a large weight: with fixed blocks they share the weight's scale and
+    decode to zero; with segments they get their own block and keep int4 precision for their own absmax."""
+    g = torch.Generator().manual_seed(4)
+    big, small, tail = 100, 6, 90  # the small segment sits inside the second fixed block of 64
+    segments = (big, small, tail)
+    rows = 4
+    x = torch.randn(rows, big + small + tail, generator=g) * 1000.0
+    x[:, big:big + small] = torch.randn(rows, small, generator=g) * 1e-3
+    x = x.view(-1)
+    n = x.numel()
+    fixed = INT4.decode_wire(INT4.encode_wire(x, 1), 1, n).view(rows, -1)[:, big:big + small]
+    assert not fixed.any()  # quantized to nothing by the neighbour's scale
+    seg = INT4.decode_wire(INT4.encode_wire(x, 1, segments=segments), 1, n, segments=segments)
+    small_x, small_dec = x.view(rows, -1)[:, big:big + small], seg.view(rows, -1)[:, big:big + small]
+    for r in range(rows):
+        amax = float(small_x[r].abs().max())
+        err = (small_x[r] - small_dec[r]).abs()
+        assert float(err.max()) <= amax / 14 * (1 + 1e-6), r  # half a step of its own scale, amax / 7
+        assert float(err.norm() / small_x[r].norm()) < 0.2
+    assert float((seg - x).abs().max()) <= float(x.abs().max()) / 14 * (1 + 1e-6)
+
+
+def test_segment_sizes() -> None:
+    # int4, block 64: segments 1, 64, 65, 0, 130 -> 1 + 1 + 2 + 0 + 3 = 7 blocks a row
+    segments = [1, 64, 65, 0, 130]
+    U = 260
+    for rows in (0, 1, 3):
+        n = rows * U
+        assert INT4.scales_numel(n, segments) == 7 * rows
+        assert INT4.payload_numel(n) == (n + 1) // 2  # the payload does not depend on the layout
+        assert INT4.wire_bytes(n, segments) == INT4.padded_payload_bytes(n) + 4 * 7 * rows
+        assert INT4.wire_bytes(n, tuple(segments)) == INT4.wire_bytes(n, torch.tensor(segments))
+        assert INT4.wire_bytes(n, segments) % 4 == 0
+    assert INT4.wire_bytes(3 * 7, [7]) == 12 + 4 * 3  # 21 values: 11 payload bytes padded to 12, one block a row
+    assert INT8.scales_numel(2 * 5000, [1, 4999]) == 2 * (1 + 3)
+    assert BlockCodec(4, 37).scales_numel(74, [74]) == 2 == BlockCodec(4, 37).scales_numel(74)
+    # segments=None is the flat layout, unchanged
+    for codec in CODECS:
+        for n in (0, 1, 1001, 4096):
+            assert codec.wire_bytes(n, None) == codec.wire_bytes(n)
+            assert codec.scales_numel(n, None) == codec.scales_numel(n) == -(-n // codec.block)
+    x = torch.randn(2 * U)
+    assert INT4.encode_wire(x, 2, segments=segments).numel() == 2 * INT4.wire_bytes(U, segments)
+
+
+def test_segments_none_and_whole_block_layouts_give_the_flat_format(backend: str) -> None:
+    g = torch.Generator().manual_seed(9)
+    for codec in CODECS:
+        k, rows = 3, 2
+        n = rows * 2 * codec.block
+        x = torch.randn(k * n, generator=g)
+        flat = codec.encode_wire(x, k, order=[1, 2, 0])
+        assert torch.equal(codec.encode_wire(x, k, order=[1, 2, 0], segments=None), flat)
+        # segments that are whole blocks cut exactly where the flat layout does
+        for segments in ([n], [2 * codec.block], [codec.block, codec.block]):
+            assert torch.equal(codec.encode_wire(x, k, order=[1, 2, 0], segments=segments), flat), segments
+            assert torch.equal(codec.decode_wire(flat, k, n, segments=segments), codec.decode_wire(flat, k, n))
+            assert torch.equal(codec.decode_wire_sum(flat, k, n, segments=segments), codec.decode_wire_sum(flat, k, n))
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.spec)
+def test_segments_wire_roundtrip_with_order_and_sum(backend: str, codec: BlockCodec) -> None:
+    segments = (5, codec.block + 3, 1, 40)
+    k, rows = 4, 2
+    n = rows * sum(segments)
+    g = torch.Generator().manual_seed(12)
+    chunks = [torch.randn(n, generator=g) * (r + 1) for r in range(k)]
+    x = torch.cat(chunks).to(torch.bfloat16)
+    order = [2, 0, 3, 1]
+    W = codec.wire_bytes(n, segments)
+    wire = torch.full((k * W,), 0xAB, dtype=torch.uint8)
+    assert codec.encode_wire(x, k, wire, order=order, segments=segments) is wire
+    assert torch.equal(codec.encode_wire(x, k, order=torch.tensor(order), segments=segments), wire)
+    singles = []
+    for i, c in enumerate(order):  # row i is chunk order[i]'s own encoding
+        one = codec.encode_wire(x[c * n:(c + 1) * n], 1, segments=segments)
+        assert torch.equal(wire[i * W:(i + 1) * W], one)
+        singles.append(codec.decode_wire(one, 1, n, segments=segments))
+    for out_dtype in DTYPES:
+        out = torch.empty(k * n, dtype=out_dtype)
+        assert codec.decode_wire(wire, k, n, out, segments=segments) is out
+        assert same_bits(out, torch.cat(singles).to(out_dtype))
+    big = torch.zeros(k * n, 2)
+    codec.decode_wire(wire, k, n, big[:, 0], segments=segments)
+    assert torch.equal(big[:, 0], torch.cat(singles)) and not big[:, 1].any()
+    total = codec.decode_wire_sum(wire, k, n, segments=segments)
+    assert same_bits(total, ((singles[0] + singles[1]) + singles[2]) + singles[3])
+    # a nan poisons only its own block, in the decode and in the sum
+    y = x.clone()
+    y[order[1] * n + 2] = float("nan")  # segment 0 of row 0 of the chunk member 1 receives
+    rows_out = codec.decode_wire(codec.encode_wire(y, k, order=order, segments=segments), k, n,
+                                 segments=segments).view(k, n)
+    assert torch.isnan(rows_out[1, :5]).all() and not torch.isnan(rows_out[1, 5:]).any()
+    assert not torch.isnan(rows_out[[0, 2, 3]]).any()
+
+
+def test_bad_segments_raise() -> None:
+    x = torch.randn(2 * 130)
+    for bad in ([], [0], [0, 0], [-1, 131], [1.5, 128.5], [True, 129], "abc", 130, [[130]]):
+        with pytest.raises(ValueError, match="segments"):
+            INT4.encode_wire(x, 2, segments=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="segments"):
+            INT4.wire_bytes(130, bad)  # type: ignore[arg-type]
+    # a chunk must be whole rows of the layout
+    with pytest.raises(ValueError, match="multiple of U"):
+        INT4.encode_wire(x, 2, segments=[100])
+    with pytest.raises(ValueError, match="multiple of U"):
+        INT4.scales_numel(130, [100])
+    with pytest.raises(ValueError, match="multiple of U"):
+        INT4.wire_bytes(131, [65, 65])
+    wire = INT4.encode_wire(x, 2, segments=[65, 65])
+    with pytest.raises(ValueError, match="multiple of U"):
+        INT4.decode_wire(wire, 2, 130, segments=[100])
+    with pytest.raises(ValueError, match="multiple of U"):
+        INT4.decode_wire_sum(wire, 2, 130, segments=[100])
+    # a wire encoded with another layout has another size
+    with pytest.raises(ValueError, match="wire"):
+        INT4.decode_wire(wire, 2, 130, segments=[130])
+    with pytest.raises(ValueError, match="wire"):
+        INT4.decode_wire_sum(wire, 2, 130)
+
+
+def _seg_cases() -> list[tuple[BlockCodec, tuple[int, ...], int, int]]:
+    """(codec, segments, rows, k): odd-aligned int4 blocks, tiny segments, whole-block runs, blocks of a multiple of
+    32 that are not whole, one unit ending on an odd value, and chunks over 64K values (several threads)."""
+    return [(INT4, (1, 64, 37, 96, 3, 33, 130), 2, 3), (INT8, (1, 64, 37, 96, 3, 33, 130), 2, 3),
+            (BlockCodec(4, 37), (5, 80, 1), 3, 2), (BlockCodec(8, 100), (7, 300), 2, 2),
+            (BlockCodec(4, 96), (1, 192, 32, 65), 1, 2), (BlockCodec(4, 1), (1, 2, 1), 2, 2),
+            (BlockCodec(4, 5000), (3, 12001), 1, 2), (INT4, (3, 40001, 7, 20000, 96), 1, 2),
+            (INT8, (1, 64 * 600 + 1, 5), 2, 2), (INT4, (2, 8190, 1), 3, 2)]
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the codecs run on the reference path only")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_segment_kernels_equal_reference_bit_for_bit(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert codecs._cpu_kernels() is not None, codecs.kernel_status()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for i, (codec, segments, rows, k) in enumerate(_seg_cases()):
+            n = rows * sum(segments)
+            for dtype in DTYPES:
+                x = _awkward(k * n, dtype, seed=100 + i)
+                order = list(reversed(range(k)))
+                fused = codec.encode_wire(x, k, order=order, segments=segments)
+                with monkeypatch.context() as m:
+                    m.setattr(codecs, "_force_reference", True)
+                    ref = codec.encode_wire(x, k, order=order, segments=segments)
+                    ref_dec = {d: codec.decode_wire(ref, k, n, dtype=d, segments=segments) for d in DTYPES}
+                    ref_sum = codec.decode_wire_sum(ref, k, n, segments=segments)
+                assert torch.equal(fused, ref), (codec, segments, dtype)
+                for out_dtype in DTYPES:
+                    assert same_bits(codec.decode_wire(fused, k, n, dtype=out_dtype, segments=segments),
+                                     ref_dec[out_dtype]), (codec, segments, dtype, out_dtype)
+                assert same_bits(codec.decode_wire_sum(fused, k, n, segments=segments), ref_sum), (codec, segments)
+    finally:
+        torch.set_num_threads(before)
+
+
 _TRITON_SCRIPT = textwrap.dedent("""
     import torch
     from tiershard.comm import codec_triton as T
-    from tiershard.comm.codecs import BlockCodec, INT8, INT4, same_bits
+    from tiershard.comm.codecs import BlockCodec, INT8, INT4, same_bits, _layout
     g = torch.Generator().manual_seed(0)
     for codec in (INT8, INT4, BlockCodec(4, 37), BlockCodec(4, 6000), BlockCodec(8, 5000)):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -459,6 +701,26 @@ _TRITON_SCRIPT = textwrap.dedent("""
                 total = torch.empty(n)
                 T.decode_wire_sum(codec, ref, k, n, total)
                 assert same_bits(total, codec.decode_wire_sum(ref, k, n)), (codec, dtype)
+    # row layouts: odd-aligned int4 blocks and the next block's scale, odd chunks, the two-kernel path for big blocks
+    for codec, segs, rows, k in ((INT4, (1, 64, 37, 3, 34), 1, 2), (INT4, (2, 33, 96), 2, 2),
+                                 (BlockCodec(4, 37), (1, 80, 2), 1, 2), (INT8, (1, 64, 37, 3, 34), 1, 2),
+                                 (BlockCodec(4, 6000), (3, 7001), 1, 2), (BlockCodec(8, 5000), (3, 7001), 1, 1)):
+        lay = _layout(codec.block, segs)
+        n = rows * sum(segs)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = (torch.randn(k * n, generator=g) * 3).to(dtype)
+            x[7], x[90], x[95] = float("nan"), 0.0, float("inf")
+            order = torch.tensor(list(range(k))[::-1])
+            ref = codec.encode_wire(x, k, order=order.tolist(), segments=segs)
+            wire = torch.full_like(ref, 77)
+            T.encode_wire_seg(codec, x, k, n, wire, order, lay)
+            assert torch.equal(wire, ref), (codec, segs, dtype)
+            out = torch.empty(k * n, dtype=dtype)
+            T.decode_wire_seg(codec, ref, k, n, out, lay)
+            assert same_bits(out, codec.decode_wire(ref, k, n, dtype=dtype, segments=segs)), (codec, segs, dtype)
+            total = torch.empty(n)
+            T.decode_wire_sum_seg(codec, ref, k, n, total, lay)
+            assert same_bits(total, codec.decode_wire_sum(ref, k, n, segments=segs)), (codec, segs, dtype)
     print("triton kernels match")
 """)
 

@@ -38,9 +38,9 @@ def test_cost_bytes_equal_rank_traffic_of_the_engine_shapes(make, sizes):
     job = Job(accum=2, param_bytes=4, reduce_bytes=4)
     for code in ["NNN", "NNG", "GGG", "IIG", "NIG", "ING", "IGG", "GGG+hpz", "III+cc"]:
         pl = ts.Plan.parse(code).resolve(topo)
-        chunking = topo.chunking(pl.os)
-        engine_shapes = traffic.module_shapes(model, wrap={Block}, chunking=chunking)
-        ours = [shape for shape, units in cost.comm.unit_shapes(spec, job, chunking) for _ in range(units)]
+        cuts = topo.chunking(pl.os), topo.chunking(pl.p)
+        engine_shapes = traffic.module_shapes(model, {Block}, *cuts)
+        ours = [shape for shape, units in cost.comm.unit_shapes(spec, job, *cuts) for _ in range(units)]
         assert sorted(ours, key=repr) == sorted(engine_shapes, key=repr)
         expected = traffic.step_collectives(pl, engine_shapes, 4, 4, 2)
         per_rank = [traffic.rank_traffic(expected, topo, r)["tiers"] for r in range(topo.world_size)]

@@ -154,10 +154,12 @@ def total_traffic(collectives: Sequence[Collective], topology: "Topology") -> di
     return total
 
 
-def module_shapes(model, wrap=None, chunking: Sequence[int] = (1, 1)) -> list[FlatGroupShape]:
-    """The flat groups ``ts.shard(model, ..., wrap=wrap)`` would build for a placement whose parameters are cut
-    by ``chunking`` (``Topology.chunking(placement.os)``), without a process group. A unit is assumed to run
-    backward when it has trainable parameters.
+def module_shapes(model, wrap=None, chunking: Sequence[int] = (1, 1),
+                  frozen_chunking: Sequence[int] | None = None) -> list[FlatGroupShape]:
+    """The flat groups ``ts.shard(model, ..., wrap=wrap)`` would build, without a process group: trainable
+    parameters cut by ``chunking`` (``Topology.chunking(placement.os)``), frozen ones by ``frozen_chunking``
+    (``Topology.chunking(placement.p)``; default the same). A unit other than the root is assumed to gather
+    again for backward when it has trainable parameters (as ``Engine.flat_shapes`` says).
     """
     from .runtime.layout import padded_unit_numel
     from .runtime.wrap import find_units
@@ -169,6 +171,7 @@ def module_shapes(model, wrap=None, chunking: Sequence[int] = (1, 1)) -> list[Fl
             groups[param.requires_grad].append(tuple(param.shape))
         for trainable in (True, False):
             if groups[trainable]:
-                shapes.append(FlatGroupShape(padded_unit_numel(groups[trainable], chunking), trainable,
+                cut = chunking if trainable or frozen_chunking is None else frozen_chunking
+                shapes.append(FlatGroupShape(padded_unit_numel(groups[trainable], cut), trainable,
                                              backward=index > 0 and bool(groups[True])))
     return shapes

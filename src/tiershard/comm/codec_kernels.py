@@ -9,7 +9,10 @@ built at import: ``load()`` runs on the first encode or decode of a CPU tensor.
 Each encode or decode is one call: a pass over the input per block (the block stays in L1 between its absmax and
 its quantization), no fp32 copy, no padding, no Python loop over chunks; work is split into units of about 8192
 values across ``torch.get_num_threads()`` OpenMP threads (the library shares torch's OpenMP runtime). The ctypes
-call releases the GIL.
+call releases the GIL. Row layouts (``segments``) run through their own entry points driven by a small per-layout
+block table; runs of whole blocks there take the same inner loops as flat chunks, and int4 blocks that start on an
+odd value (the high nibble of a byte) are encoded or decoded as if aligned through a staging buffer shifted by
+one nibble.
 
 When no compiler works, ``load()`` returns None and the codecs use their torch path, which gives the same bits;
 ``codecs.py`` checks the library against that path before its first use.
@@ -554,15 +557,15 @@ typedef struct { uint8_t carry; int have, skip; } nib_t;
 
 #define TS_ODD_MAX 4096  /* largest odd-start int4 block the fast path stages (in a stack buffer) */
 
-/* Blocks Ja..Jb-1 of a chunk the general way: int8 block by block (scale, then values); int4 by tiles staged as one
-   byte per value and packed, through the stream state (an odd first value pairs with the carried nibble, an odd
-   end leaves its last nibble in the carry). */
+/* Blocks Ja..Jb-1 of a chunk (block Ja is block b of the row starting at value base; the run ends at value e) the
+   general way: int8 block by block (scale, then values); int4 by tiles staged as one byte per value and packed,
+   through the stream state (an odd first value pairs with the carried nibble, an odd end leaves its last nibble in
+   the carry). */
 __attribute__((noinline)) static void encode_seg_run(const char* x, int dt, const int64_t* bs, int64_t nbr,
-                                                     int64_t U, int bits, int64_t Ja, int64_t Jb, uint8_t* pay,
-                                                     uint8_t* sc, nib_t* st) {
+                                                     int64_t U, int bits, int64_t Ja, int64_t Jb, int64_t b,
+                                                     int64_t base, int64_t e, uint8_t* pay, uint8_t* sc, nib_t* st) {
     const int32_t qmax = bits == 8 ? 127 : 7, off = bits == 8 ? 0 : 8;
     const int64_t es = dt == DT_F32 ? 4 : 2;
-    int64_t r = Ja / nbr, b = Ja - r * nbr, base = r * U;
     if (bits == 8) {
         for (int64_t J = Ja; J < Jb; J++) {
             const int64_t s = base + bs[b], m = bs[b + 1] - bs[b];
@@ -574,7 +577,7 @@ __attribute__((noinline)) static void encode_seg_run(const char* x, int dt, cons
         }
         return;
     }
-    const int64_t rl = (Jb - 1) / nbr, e = rl * U + bs[Jb - 1 - rl * nbr + 1];
+    (void)Jb;
     int64_t J = Ja, s = base + bs[b], m = bs[b + 1] - bs[b];
     const int64_t a = s, t0 = a & ~(int64_t)1;
     float scale = block_scale(x + s * es, dt, m, qmax);
@@ -655,32 +658,52 @@ static inline void shift_nibbles(const uint8_t* restrict src, int64_t cnt, uint8
 }
 
 #ifdef TS_FAST_BLOCKS
-/* Blocks J0..J1-1 of a chunk: blocks of a multiple of 32 values take the fast path (int4 ones starting on an odd
-   value through a staging buffer shifted by one nibble), the others go by runs to encode_seg_run. One specialised
-   loop per dtype and width. */
-static void encode_unit_seg(const char* x, int dt, int64_t n, const int64_t* bs, int64_t nbr, int64_t U, int bits,
-                            int64_t J0, int64_t J1, uint8_t* pay, uint8_t* sc) {
+/* Blocks J0..J1-1 of a chunk. rl[b] counts the whole blocks of B values (B a multiple of 32) that follow one another
+   from block b of a row (within the row), so such runs go through the same straight loop as unsegmented chunks; other blocks of a
+   multiple of 32 values go one at a time, the rest by runs to encode_seg_run. int4 runs that start on an odd value
+   are encoded into a staging buffer as if aligned and shifted by one nibble into the payload, up to TS_ODD_MAX values
+   at a time. One specialised loop per dtype and width. */
+static void encode_unit_seg(const char* x, int dt, int64_t n, const int64_t* bs, const int64_t* rl, int64_t nbr,
+                            int64_t U, int64_t B, int bits, int64_t J0, int64_t J1, uint8_t* pay, uint8_t* sc) {
     const int64_t es = dt == DT_F32 ? 4 : 2;
-    int64_t r = J0 / nbr, b = J0 - r * nbr, base = r * U, run = -1;
+    int64_t r = J0 / nbr, b = J0 - r * nbr, base = r * U, run = -1, run_b = 0, run_base = 0;
     nib_t st = {0, 0, (int)((base + bs[b]) & 1)};
     uint8_t L[TS_ODD_MAX / 2 + 1];
 #define TS_SEG_ENC(DT, BITS) \
-    for (int64_t J = J0; J < J1; J++) { \
+    for (int64_t J = J0; J < J1;) { \
         const int64_t s = base + bs[b], m = bs[b + 1] - bs[b]; \
-        if (m % 32 == 0 && (BITS == 8 || !(s & 1) || m <= TS_ODD_MAX)) { \
-            if (run >= 0) { encode_seg_run(x, DT, bs, nbr, U, BITS, run, J, pay, sc, &st); run = -1; } \
-            float s_; \
-            if (BITS == 8 || !(s & 1)) encode_block_fast_t(x + s * es, DT, m, BITS, pay + (BITS == 8 ? s : s / 2), &s_); \
-            else { \
-                encode_block_fast_t(x + s * es, DT, m, 4, L + 1, &s_); \
-                L[0] = (uint8_t)(st.carry << 4); \
-                if (st.skip) shift_nibbles(L + 1, m / 2 - 1, pay + s / 2 + 1); \
-                else shift_nibbles(L, m / 2, pay + s / 2); \
-                st.carry = L[m / 2] >> 4; st.have = 1; st.skip = 0; \
+        int64_t q = rl[b], Bq = B; \
+        if (q > J1 - J) q = J1 - J; \
+        if (q == 0 && m % 32 == 0) { q = 1; Bq = m; } \
+        if (q > 0 && (BITS == 8 || !(s & 1) || Bq <= TS_ODD_MAX)) { \
+            if (run >= 0) { encode_seg_run(x, DT, bs, nbr, U, BITS, run, J, run_b, run_base, s, pay, sc, &st); run = -1; } \
+            if (BITS == 8 || !(s & 1)) { \
+                for (int64_t i = 0; i < q; i++) { \
+                    const int64_t v = s + i * Bq; float s_; \
+                    encode_block_fast_t(x + v * es, DT, Bq, BITS, pay + (BITS == 8 ? v : v / 2), &s_); \
+                    memcpy(sc + 4 * (J + i), &s_, 4); \
+                } \
+            } else { \
+                const int64_t per = TS_ODD_MAX / Bq; \
+                for (int64_t i0 = 0; i0 < q; i0 += per) { \
+                    const int64_t cq = q - i0 < per ? q - i0 : per, v0 = s + i0 * Bq, nb2 = cq * Bq / 2; \
+                    for (int64_t i = 0; i < cq; i++) { \
+                        float s_; \
+                        encode_block_fast_t(x + (v0 + i * Bq) * es, DT, Bq, 4, L + 1 + i * Bq / 2, &s_); \
+                        memcpy(sc + 4 * (J + i0 + i), &s_, 4); \
+                    } \
+                    L[0] = (uint8_t)(st.carry << 4); \
+                    if (st.skip) shift_nibbles(L + 1, nb2 - 1, pay + v0 / 2 + 1); \
+                    else shift_nibbles(L, nb2, pay + v0 / 2); \
+                    st.carry = L[nb2] >> 4; st.have = 1; st.skip = 0; \
+                } \
             } \
-            memcpy(sc + 4 * J, &s_, 4); \
-        } else if (run < 0) run = J; \
-        if (++b == nbr) { b = 0; base += U; } \
+        } else { \
+            q = 1; \
+            if (run < 0) { run = J; run_b = b; run_base = base; } \
+        } \
+        J += q; b += q; \
+        if (b == nbr) { b = 0; base += U; } \
     }
     if (bits == 8) {
         if (dt == DT_F32) { TS_SEG_ENC(DT_F32, 8) } else if (dt == DT_BF16) { TS_SEG_ENC(DT_BF16, 8) } else { TS_SEG_ENC(DT_F16, 8) }
@@ -688,25 +711,39 @@ static void encode_unit_seg(const char* x, int dt, int64_t n, const int64_t* bs,
         if (dt == DT_F32) { TS_SEG_ENC(DT_F32, 4) } else if (dt == DT_BF16) { TS_SEG_ENC(DT_BF16, 4) } else { TS_SEG_ENC(DT_F16, 4) }
     }
 #undef TS_SEG_ENC
-    if (run >= 0) encode_seg_run(x, dt, bs, nbr, U, bits, run, J1, pay, sc, &st);
+    if (run >= 0) encode_seg_run(x, dt, bs, nbr, U, bits, run, J1, run_b, run_base, base + bs[b], pay, sc, &st);
     if (bits == 4) finish_unit4(x, dt, n, bs, b, base, pay, &st);
 }
-static void decode_unit_seg(const uint8_t* pay, const uint8_t* sc, const int64_t* bs, int64_t nbr, int64_t U, int bits,
-                            int64_t J0, int64_t J1, char* o, int dt, int add) {
+static void decode_unit_seg(const uint8_t* pay, const uint8_t* sc, const int64_t* bs, const int64_t* rl, int64_t nbr,
+                            int64_t U, int64_t B, int bits, int64_t J0, int64_t J1, char* o, int dt, int add) {
     const int64_t es = add || dt == DT_F32 ? 4 : 2;
     int64_t r = J0 / nbr, b = J0 - r * nbr, base = r * U;
     uint8_t L[TS_ODD_MAX / 2];
 #define TS_SEG_DEC(DT, BITS, ADD) \
-    for (int64_t J = J0; J < J1; J++) { \
+    for (int64_t J = J0; J < J1;) { \
         const int64_t s = base + bs[b], m = bs[b + 1] - bs[b]; \
-        const float scale = load_scale(sc, J); \
-        if (m % 32 == 0 && (BITS == 8 || !(s & 1))) \
-            decode_block_fast_t(pay + (BITS == 8 ? s : s / 2), scale, m, BITS, o + s * es, DT, ADD); \
-        else if (BITS == 4 && m % 32 == 0 && m <= TS_ODD_MAX) { \
-            shift_nibbles(pay + s / 2, m / 2, L); \
-            decode_block_fast_t(L, scale, m, 4, o + s * es, DT, ADD); \
-        } else decode_seg_block(pay, s, m, scale, BITS, o, DT, ADD); \
-        if (++b == nbr) { b = 0; base += U; } \
+        int64_t q = rl[b], Bq = B; \
+        if (q > J1 - J) q = J1 - J; \
+        if (q == 0 && m % 32 == 0) { q = 1; Bq = m; } \
+        if (q > 0 && (BITS == 8 || !(s & 1))) { \
+            for (int64_t i = 0; i < q; i++) { \
+                const int64_t v = s + i * Bq; \
+                decode_block_fast_t(pay + (BITS == 8 ? v : v / 2), load_scale(sc, J + i), Bq, BITS, o + v * es, DT, ADD); \
+            } \
+        } else if (q > 0 && Bq <= TS_ODD_MAX) { \
+            const int64_t per = TS_ODD_MAX / Bq; \
+            for (int64_t i0 = 0; i0 < q; i0 += per) { \
+                const int64_t cq = q - i0 < per ? q - i0 : per, v0 = s + i0 * Bq; \
+                shift_nibbles(pay + v0 / 2, cq * Bq / 2, L); \
+                for (int64_t i = 0; i < cq; i++) \
+                    decode_block_fast_t(L + i * Bq / 2, load_scale(sc, J + i0 + i), Bq, 4, o + (v0 + i * Bq) * es, DT, ADD); \
+            } \
+        } else { \
+            q = 1; \
+            decode_seg_block(pay, s, m, load_scale(sc, J), BITS, o, DT, ADD); \
+        } \
+        J += q; b += q; \
+        if (b == nbr) { b = 0; base += U; } \
     }
     if (add) { if (bits == 8) { TS_SEG_DEC(DT_F32, 8, 1) } else { TS_SEG_DEC(DT_F32, 4, 1) } }
     else if (bits == 8) {
@@ -717,15 +754,17 @@ static void decode_unit_seg(const uint8_t* pay, const uint8_t* sc, const int64_t
 #undef TS_SEG_DEC
 }
 #else
-static void encode_unit_seg(const char* x, int dt, int64_t n, const int64_t* bs, int64_t nbr, int64_t U, int bits,
-                            int64_t J0, int64_t J1, uint8_t* pay, uint8_t* sc) {
-    const int64_t r = J0 / nbr, b = J0 - r * nbr, r1 = J1 / nbr;
+static void encode_unit_seg(const char* x, int dt, int64_t n, const int64_t* bs, const int64_t* rl, int64_t nbr,
+                            int64_t U, int64_t B, int bits, int64_t J0, int64_t J1, uint8_t* pay, uint8_t* sc) {
+    (void)rl; (void)B;
+    const int64_t r = J0 / nbr, b = J0 - r * nbr, r1 = J1 / nbr, b1 = J1 - r1 * nbr;
     nib_t st = {0, 0, (int)((r * U + bs[b]) & 1)};
-    encode_seg_run(x, dt, bs, nbr, U, bits, J0, J1, pay, sc, &st);
-    if (bits == 4) finish_unit4(x, dt, n, bs, J1 - r1 * nbr, r1 * U, pay, &st);
+    encode_seg_run(x, dt, bs, nbr, U, bits, J0, J1, b, r * U, r1 * U + bs[b1], pay, sc, &st);
+    if (bits == 4) finish_unit4(x, dt, n, bs, b1, r1 * U, pay, &st);
 }
-static void decode_unit_seg(const uint8_t* pay, const uint8_t* sc, const int64_t* bs, int64_t nbr, int64_t U, int bits,
-                            int64_t J0, int64_t J1, char* o, int dt, int add) {
+static void decode_unit_seg(const uint8_t* pay, const uint8_t* sc, const int64_t* bs, const int64_t* rl, int64_t nbr,
+                            int64_t U, int64_t B, int bits, int64_t J0, int64_t J1, char* o, int dt, int add) {
+    (void)rl; (void)B;
     int64_t r = J0 / nbr, b = J0 - r * nbr, base = r * U;
     for (int64_t J = J0; J < J1; J++) {
         decode_seg_block(pay, base + bs[b], bs[b + 1] - bs[b], load_scale(sc, J), bits, o, dt, add);
@@ -734,8 +773,9 @@ static void decode_unit_seg(const uint8_t* pay, const uint8_t* sc, const int64_t
 }
 #endif
 
-/* ts_encode / ts_decode for chunks of n = rows * U values laid out by the block table bs (nbr + 1 row offsets, see
-   above); block only sizes the work units (about 8192 values). */
+/* ts_encode / ts_decode for chunks of n = rows * U values laid out by the block table bs: nbr + 1 block offsets in a
+   row (see above), then rl, nbr counts of the whole blocks of `block` values that follow one another from each block of
+   a row (all 0 unless block is a multiple of 32). Work units are about 8192 values of blocks. */
 int ts_encode_seg(const void* x, int dt, int64_t n, int64_t k, const int64_t* order, const int64_t* bs, int64_t nbr,
                   int64_t U, int64_t block, int bits, uint8_t* pay, int64_t pstride, uint8_t* sc, int64_t sstride,
                   int64_t ppad, int nthreads) {
@@ -749,7 +789,8 @@ int ts_encode_seg(const void* x, int dt, int64_t n, int64_t k, const int64_t* or
     for (int64_t t = 0; t < total; t++) {
         const int64_t i = t / nu, u = t % nu, c = order ? order[i] : i;
         const int64_t j1 = (u + 1) * g < nb ? (u + 1) * g : nb;
-        encode_unit_seg((const char*)x + c * n * es, dt, n, bs, nbr, U, bits, u * g, j1, pay + i * pstride, sc + i * sstride);
+        encode_unit_seg((const char*)x + c * n * es, dt, n, bs, bs + nbr + 1, nbr, U, block, bits, u * g, j1, pay + i * pstride,
+                        sc + i * sstride);
     }
     return 0;
 }
@@ -768,7 +809,8 @@ int ts_decode_seg(const uint8_t* pay, int64_t pstride, const uint8_t* sc, int64_
         for (int64_t u = 0; u < nu; u++) {
             const int64_t j1 = (u + 1) * g < nb ? (u + 1) * g : nb;
             for (int64_t i = 0; i < k; i++)
-                decode_unit_seg(pay + i * pstride, sc + i * sstride, bs, nbr, U, bits, u * g, j1, (char*)out, DT_F32, i > 0);
+                decode_unit_seg(pay + i * pstride, sc + i * sstride, bs, bs + nbr + 1, nbr, U, block, bits, u * g, j1, (char*)out,
+                                DT_F32, i > 0);
         }
         return 0;
     }
@@ -776,7 +818,8 @@ int ts_decode_seg(const uint8_t* pay, int64_t pstride, const uint8_t* sc, int64_
     #pragma omp parallel for schedule(static) num_threads(nthreads) if(nthreads > 1 && total > 1)
     for (int64_t t = 0; t < total; t++) {
         const int64_t i = t / nu, u = t % nu, j1 = (u + 1) * g < nb ? (u + 1) * g : nb;
-        decode_unit_seg(pay + i * pstride, sc + i * sstride, bs, nbr, U, bits, u * g, j1, (char*)out + i * ostride * es, dt, 0);
+        decode_unit_seg(pay + i * pstride, sc + i * sstride, bs, bs + nbr + 1, nbr, U, block, bits, u * g, j1,
+                        (char*)out + i * ostride * es, dt, 0);
     }
     return 0;
 }
@@ -791,8 +834,14 @@ class Kernels:
     i of the payload and scale buffers (addresses and byte strides), then ``pad`` zero bytes after each payload.
     ``decode(payload, payload_stride, scales, scales_stride, k, n, block, bits, out, dtype_code, out_stride, sum,
     threads)`` decodes row i to ``out + i * out_stride`` values, or with ``sum`` adds the k rows into n fp32 values,
-    row 0 first. dtype codes: 0 float32, 1 bfloat16, 2 float16. Both are the raw ctypes functions (a Python wrapper
-    would double the call's cost) and return 0, or a negative code for an unsupported dtype.
+    row 0 first. ``encode_seg(x, dtype_code, n, k, order, table, nbr, U, block, bits, payload, payload_stride,
+    scales, scales_stride, pad, threads)`` and ``decode_seg(payload, payload_stride, scales, scales_stride, k, n,
+    table, nbr, U, block, bits, out, dtype_code, out_stride, sum, threads)`` do the same for chunks of ``n = rows * U``
+    values cut by a row layout: ``table`` is the address of ``2 * nbr + 1`` int64 values, the ``nbr + 1`` block
+    offsets of one row, then for each block the number of whole blocks of ``block`` values that follow one another
+    from it (``codecs._Layout`` builds it). dtype codes: 0 float32, 1 bfloat16, 2 float16. All are the raw ctypes
+    functions (a Python wrapper would double the call's cost) and return 0, or a negative code for an unsupported
+    dtype or a chunk that is not whole rows.
     """
 
     def __init__(self, path: Path, flags: tuple[str, ...]):

@@ -27,7 +27,8 @@ from torch import Tensor
 if TYPE_CHECKING:
     from .codecs import BlockCodec
 
-__all__ = ["encode_wire", "decode_wire", "decode_wire_sum", "triton"]
+__all__ = ["encode_wire", "decode_wire", "decode_wire_sum", "encode_wire_seg", "decode_wire_seg", "decode_wire_sum_seg",
+           "triton"]
 
 _FUSED_MAX = 4096   # values per block that one program encodes in registers
 _SCALE_TILE = 1024  # values per step when a scale program loops over a large block
@@ -249,3 +250,226 @@ def decode_wire_sum(codec: "BlockCodec", wire: Tensor, k: int, n: int, out: Tens
     _decode_sum[(triton.cdiv(n, _TILE),)](wire, out, k, n, codec.block, codec.wire_bytes(n),
                                           codec.padded_payload_bytes(n), BITS=codec.bits, TILE=_TILE,
                                           enable_fp_fusion=False)
+
+
+# ---- row layouts (segments) ----------------------------------------------------------------------------------
+# Block j of a chunk is block j % nbr of row j // nbr; ``tab`` holds the nbr + 1 block offsets of one row (int64,
+# on the device). One program per (block, chunk), blocks on grid axis 0 (whose limit is 2**31 - 1, not 65535), and
+# per tile of the block where a block is larger than one program's tile. An int4 byte is written by the program
+# that owns its even value; when a block ends on an odd value, its program also quantizes the next block's first
+# value, with that block's scale (recomputed, or read back in the two-kernel path).
+
+
+@triton.jit
+def _seg_block(tab_ptr, j, nbr, U):
+    """First value (in the chunk) and length of block j."""
+    r = j // nbr
+    b = j - r * nbr
+    lo = tl.load(tab_ptr + b)
+    return r * U + lo, tl.load(tab_ptr + b + 1) - lo
+
+
+@triton.jit
+def _block_absmax(src, start, m, BLOCK: tl.constexpr):
+    """(absmax, non-finite) of the m <= BLOCK values at src + start."""
+    offs = tl.arange(0, BLOCK)
+    mask = offs < m
+    ax = tl.abs(tl.load(src + start + offs, mask=mask, other=0.0).to(tl.float32))
+    return tl.max(tl.where(mask, ax, 0.0), axis=0), tl.max(tl.where(mask & ~(ax <= _FLT_MAX), 1, 0), axis=0) > 0
+
+
+@triton.jit
+def _store_pairs(src, row, lo_v, hi_v, end, n, scale, scale_next, QMAX: tl.constexpr, PAIRS: tl.constexpr):
+    """int4 bytes for the even values e in [lo_v, hi_v) of a block ending at ``end``: e with ``scale``, and e + 1 with
+    ``scale`` inside the block, ``scale_next`` when it starts the next block, or the padding nibble past n."""
+    e = lo_v + (lo_v % 2) + 2 * tl.arange(0, PAIRS)
+    ok = e < hi_v
+    inside = e + 1 < end
+    nxt = (e + 1 == end) & (e + 1 < n)
+    x0 = tl.load(src + e, mask=ok, other=0.0).to(tl.float32)
+    x1 = tl.load(src + e + 1, mask=ok & (inside | nxt), other=0.0).to(tl.float32)
+    lo = _quant(x0, scale, QMAX) + 8
+    hi = tl.where(inside, _quant(x1, scale, QMAX), tl.where(nxt, _quant(x1, scale_next, QMAX), 0)) + 8
+    tl.store(row + e // 2, (lo | (hi << 4)).to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def _encode_seg_fused(x_ptr, order_ptr, out_ptr, tab_ptr, n, nbr, U, nbt, W, P4,
+                      HAS_ORDER: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    j = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1)
+    if HAS_ORDER:
+        c = tl.load(order_ptr + i).to(tl.int64)
+    else:
+        c = i.to(tl.int64)
+    src = x_ptr + c * n
+    row = out_ptr + i.to(tl.int64) * W
+    start, m = _seg_block(tab_ptr, j, nbr, U)
+    QMAX: tl.constexpr = 127 if BITS == 8 else 7
+    amax, bad = _block_absmax(src, start, m, BLOCK)
+    scale = _block_scale(amax, bad, QMAX)
+    if BITS == 8:
+        offs = tl.arange(0, BLOCK)
+        mask = offs < m
+        x = tl.load(src + start + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(row + start + offs, (_quant(x, scale, QMAX) & 0xFF).to(tl.uint8), mask=mask)
+    else:
+        end = start + m
+        # the next block's scale, needed only when this block ends on an odd value inside the chunk
+        start1, m1 = _seg_block(tab_ptr, tl.minimum(j + 1, nbt - 1), nbr, U)
+        m1 = tl.where((end % 2 == 1) & (j + 1 < nbt), m1, 0)
+        amax1, bad1 = _block_absmax(src, start1, m1, BLOCK)
+        _store_pairs(src, row, start, end, end, n, scale, _block_scale(amax1, bad1, QMAX), QMAX, BLOCK // 2)
+    _store_scale(row, P4, j, scale)
+
+
+@triton.jit
+def _encode_seg_scales(x_ptr, order_ptr, out_ptr, tab_ptr, n, nbr, U, W, P4,
+                       HAS_ORDER: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr):
+    j = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1)
+    if HAS_ORDER:
+        c = tl.load(order_ptr + i).to(tl.int64)
+    else:
+        c = i.to(tl.int64)
+    src = x_ptr + c * n
+    start, m = _seg_block(tab_ptr, j, nbr, U)
+    QMAX: tl.constexpr = 127 if BITS == 8 else 7
+    amax = tl.zeros([TILE], dtype=tl.float32)
+    bad = tl.zeros([TILE], dtype=tl.int32)
+    for t in range(0, m, TILE):
+        offs = t + tl.arange(0, TILE)
+        mask = offs < m
+        a = tl.abs(tl.load(src + start + offs, mask=mask, other=0.0).to(tl.float32))
+        amax = tl.maximum(amax, tl.where(mask, a, 0.0))
+        bad = bad + tl.where(mask & ~(a <= _FLT_MAX), 1, 0)
+    scale = _block_scale(tl.max(amax, axis=0), tl.max(bad, axis=0) > 0, QMAX)
+    _store_scale(out_ptr + i.to(tl.int64) * W, P4, j, scale)
+
+
+@triton.jit
+def _encode_seg_values(x_ptr, order_ptr, out_ptr, tab_ptr, n, nbr, U, nbt, W, P4,
+                       HAS_ORDER: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr):
+    """Quantize tile t of block j with the scales _encode_seg_scales wrote."""
+    j = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1)
+    t = tl.program_id(2).to(tl.int64)
+    if HAS_ORDER:
+        c = tl.load(order_ptr + i).to(tl.int64)
+    else:
+        c = i.to(tl.int64)
+    src = x_ptr + c * n
+    row = out_ptr + i.to(tl.int64) * W
+    start, m = _seg_block(tab_ptr, j, nbr, U)
+    end = start + m
+    lo_v = start + t * TILE
+    hi_v = tl.minimum(lo_v + TILE, end)
+    QMAX: tl.constexpr = 127 if BITS == 8 else 7
+    scale = tl.load((row + P4).to(tl.pointer_type(tl.float32)) + j)
+    if BITS == 8:
+        offs = lo_v + tl.arange(0, TILE)
+        mask = offs < hi_v
+        x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(row + offs, (_quant(x, scale, QMAX) & 0xFF).to(tl.uint8), mask=mask)
+    else:
+        scale_next = tl.load((row + P4).to(tl.pointer_type(tl.float32)) + tl.minimum(j + 1, nbt - 1))
+        _store_pairs(src, row, lo_v, hi_v, end, n, scale, scale_next, QMAX, TILE // 2)
+
+
+@triton.jit
+def _dequant_seg(row, P4, e, mask, j, BITS: tl.constexpr):
+    """fp32 values e (value indices, all in block j) of one wire row."""
+    if BITS == 8:
+        q = tl.load(row + e, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    else:
+        b = tl.load(row + e // 2, mask=mask, other=0).to(tl.int32)
+        q = tl.where(e % 2 == 0, b & 15, b >> 4).to(tl.float32) - 8.0
+    return q * tl.load((row + P4).to(tl.pointer_type(tl.float32)) + j)
+
+
+@triton.jit
+def _decode_seg(wire_ptr, out_ptr, tab_ptr, n, nbr, U, W, P4, BITS: tl.constexpr, TILE: tl.constexpr):
+    j = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1).to(tl.int64)
+    start, m = _seg_block(tab_ptr, j, nbr, U)
+    offs = tl.program_id(2).to(tl.int64) * TILE + tl.arange(0, TILE)
+    mask = offs < m
+    e = start + offs
+    v = _dequant_seg(wire_ptr + i * W, P4, e, mask, j, BITS)
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        b = v.to(tl.uint32, bitcast=True)
+        r = tl.where(v != v, 0x7FC0, (b + 0x7FFF + ((b >> 16) & 1)) >> 16)
+        tl.store(out_ptr + i * n + e, r.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(out_ptr + i * n + e, v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decode_seg_sum(wire_ptr, out_ptr, tab_ptr, k, n, nbr, U, W, P4, BITS: tl.constexpr, TILE: tl.constexpr):
+    j = tl.program_id(0).to(tl.int64)
+    start, m = _seg_block(tab_ptr, j, nbr, U)
+    offs = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
+    mask = offs < m
+    e = start + offs
+    acc = _dequant_seg(wire_ptr, P4, e, mask, j, BITS)
+    row = wire_ptr
+    for _ in range(1, k):  # row order, as the CPU kernels and the reference add
+        row += W
+        acc = acc + _dequant_seg(row, P4, e, mask, j, BITS)
+    tl.store(out_ptr + e, acc, mask=mask)
+
+
+def encode_wire_seg(codec: "BlockCodec", x: Tensor, k: int, n: int, out: Tensor, order: Tensor | None,
+                    layout) -> None:
+    """``encode_wire`` for chunks cut by a row layout (``codecs._Layout``): blocks never span two segments."""
+    P, P4 = codec.payload_numel(n), codec.padded_payload_bytes(n)
+    nbt = n // layout.U * layout.nbr
+    W = P4 + 4 * nbt
+    if P4 > P:
+        out.view(k, W)[:, P:P4].zero_()
+    if nbt == 0:
+        return
+    tab = layout.table(x.device)
+    has_order = order is not None
+    order_arg = order if has_order else out
+    block = codec.block
+    if block <= _FUSED_MAX:
+        _encode_seg_fused[(nbt, k)](x, order_arg, out, tab, n, layout.nbr, layout.U, nbt, W, P4, HAS_ORDER=has_order,
+                                   BITS=codec.bits, BLOCK=max(_pow2(block), 2), enable_fp_fusion=False)
+        return
+    _encode_seg_scales[(nbt, k)](x, order_arg, out, tab, n, layout.nbr, layout.U, W, P4, HAS_ORDER=has_order,
+                                 BITS=codec.bits, TILE=_SCALE_TILE, enable_fp_fusion=False)
+    _encode_seg_values[(nbt, k, triton.cdiv(block, _TILE))](x, order_arg, out, tab, n, layout.nbr, layout.U, nbt, W,
+                                                            P4, HAS_ORDER=has_order, BITS=codec.bits, TILE=_TILE,
+                                                            enable_fp_fusion=False)
+
+
+def _seg_tile(codec: "BlockCodec") -> int:
+    return min(max(_pow2(codec.block), 16), _TILE)
+
+
+def decode_wire_seg(codec: "BlockCodec", wire: Tensor, k: int, n: int, out: Tensor, layout) -> None:
+    """``decode_wire`` for chunks cut by a row layout: one program per (block, chunk, tile of the block)."""
+    nbt = n // layout.U * layout.nbr
+    if nbt == 0 or k == 0:
+        return
+    tile = _seg_tile(codec)
+    P4 = codec.padded_payload_bytes(n)
+    _decode_seg[(nbt, k, triton.cdiv(codec.block, tile))](wire, out, layout.table(wire.device), n, layout.nbr,
+                                                          layout.U, P4 + 4 * nbt, P4, BITS=codec.bits, TILE=tile,
+                                                          enable_fp_fusion=False)
+
+
+def decode_wire_sum_seg(codec: "BlockCodec", wire: Tensor, k: int, n: int, out: Tensor, layout) -> None:
+    """``decode_wire_sum`` for chunks cut by a row layout: rows added in order inside each program."""
+    if k == 0:
+        out.zero_()
+        return
+    nbt = n // layout.U * layout.nbr
+    if nbt == 0:
+        return
+    tile = _seg_tile(codec)
+    P4 = codec.padded_payload_bytes(n)
+    _decode_seg_sum[(nbt, triton.cdiv(codec.block, tile))](wire, out, layout.table(wire.device), k, n, layout.nbr,
+                                                           layout.U, P4 + 4 * nbt, P4, BITS=codec.bits, TILE=tile,
+                                                           enable_fp_fusion=False)

@@ -46,12 +46,14 @@ except the last, which holds the remaining ``w - (ceil(w / block) - 1) * block``
 Blocks are numbered by their first value (row 0's segments left to right, then row 1's, ...) and scale ``b`` of a
 chunk is block ``b``'s, so ``scales_numel(n, segments) = (n // U) * sum(ceil(w / block) for w in segments)``. The
 payload is unchanged: the ``n`` values in order, int4 nibbles paired by position (a byte may hold the last value of
-one block and the first of the next), and so is the rest of the wire layout below. Without ``segments`` (None, the
-default) a chunk is one flat run of blocks, as above.
+one block and the first of the next), and so is the rest of the wire layout above. Without ``segments`` (None, the
+default) a chunk is one flat run of blocks. Every block obeys the error bound above with its own scale, so a segment's
+values are bounded by that segment's absmax (per block), whatever its neighbours hold.
 
-The sizes are pure functions of ``numel`` (and ``segments``), so every rank can pre-allocate matching buffers. The separate
-payload/scales API (``encode``, ``encode_into``, ``decode_chunks``, ``decode_from``, ``decode``) stays for callers
-that move the two in separate collectives; ``decode_chunks`` decodes k concatenated encodings at once.
+The sizes are pure functions of ``numel`` (and ``segments``), so every rank can pre-allocate matching buffers. The
+separate payload/scales API (``encode``, ``encode_into``, ``decode_chunks``, ``decode_from``, ``decode``; flat
+blocks only) stays for callers that move the two in separate collectives; ``decode_chunks`` decodes k concatenated
+encodings at once.
 
 Backends, chosen per call by the tensor's device, all giving the same bits on the CPU:
 
@@ -265,7 +267,15 @@ class _Layout:
                 pos += w
         self.block, self.widths, self.U, self.nbr = block, widths, pos, len(starts) - 1
         self.starts = starts
-        self.c_starts = (ctypes.c_int64 * len(starts))(*starts)
+        # For the C kernels, after the starts: how many whole blocks of `block` values follow one another from each
+        # block of a row, so those runs take the same straight loop as unsegmented chunks (only where that loop
+        # applies: block % 32 == 0).
+        runs = [0] * self.nbr
+        if block % 32 == 0:
+            for b in range(self.nbr - 1, -1, -1):
+                if starts[b + 1] - starts[b] == block:
+                    runs[b] = 1 + (runs[b + 1] if b + 1 < self.nbr and starts[b + 2] - starts[b + 1] == block else 0)
+        self.c_starts = (ctypes.c_int64 * (2 * self.nbr + 1))(*starts, *runs)
         self.c_addr = ctypes.addressof(self.c_starts)
         self._tables: dict[str, Tensor] = {}
         self._ref: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
@@ -304,27 +314,34 @@ class _Layout:
         return idx
 
 
-_LAYOUTS: dict[tuple, _Layout] = {}
+_LAYOUTS: dict[int, dict[tuple, _Layout]] = {}  # block -> segments -> layout
 
 
 def _layout(block: int, segments: Segments) -> _Layout:
-    """The cached layout of ``segments`` for ``block``; raises ValueError for widths that are not a row layout."""
-    if isinstance(segments, Tensor):
-        segments = segments.tolist()
+    """The cached layout of ``segments`` for ``block``; raises ValueError for widths that are not a row layout. A
+    tuple is looked up as it is (no allocation: this runs on every call); other sequences are copied to one."""
+    if type(segments) is not tuple:
+        if isinstance(segments, Tensor):
+            segments = segments.tolist()
+        try:
+            segments = tuple(segments)
+        except TypeError:
+            raise ValueError(f"segments must be a sequence of segment widths, got {segments!r}") from None
+    by_block = _LAYOUTS.get(block)
+    if by_block is None:
+        by_block = _LAYOUTS[block] = {}
     try:
-        key = (block, segments if isinstance(segments, tuple) else tuple(segments))
-    except TypeError:
-        raise ValueError(f"segments must be a sequence of segment widths, got {segments!r}") from None
-    lay = _LAYOUTS.get(key)
+        lay = by_block.get(segments)
+    except TypeError:  # unhashable widths
+        raise ValueError(f"segments must be a sequence of segment widths, got {list(segments)!r}") from None
     if lay is None:
-        widths = key[1]
-        if (not widths or any(isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in widths)
-                or sum(widths) < 1):
-            raise ValueError(f"segments must be non-negative integer widths with a positive sum, got {list(widths)}")
-        lay = _Layout(block, widths)
-        if len(_LAYOUTS) > 1024:
-            _LAYOUTS.clear()
-        _LAYOUTS[key] = lay
+        if (not segments or any(isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in segments)
+                or sum(segments) < 1):
+            raise ValueError(f"segments must be non-negative integer widths with a positive sum, got {list(segments)}")
+        lay = _Layout(block, segments)
+        if len(by_block) > 1024:
+            by_block.clear()
+        by_block[segments] = lay
     return lay
 
 
@@ -375,9 +392,6 @@ class BlockCodec:
         """Bytes on the wire for one chunk of ``numel`` values: padded payload plus 4 bytes per scale (the payload
         does not depend on ``segments``, only the number of scales does)."""
         return self.padded_payload_bytes(numel) + 4 * self.scales_numel(numel, segments)
-
-    def _layout(self, segments: Segments) -> _Layout:
-        return _layout(self.block, segments)
 
     # ---- reference path: plain torch, vectorised over k chunks ------------------------------------------
     @torch.no_grad()
@@ -565,9 +579,11 @@ class BlockCodec:
 
     # ---- wire API: payload and scales in one buffer, one collective ----------------------------------------
     def _check_wire(self, wire: Tensor, k: int, n: int, W: int | None = None) -> int:
+        """W, the bytes of one chunk (given with a row layout), after checking the wire buffer holds k chunks."""
+        what = f"wire_bytes({n})" if W is None else f"wire_bytes({n}, segments)"
         W = self.wire_bytes(n) if W is None else W
         if wire.dtype != torch.uint8 or wire.numel() != k * W or not wire.is_contiguous():
-            raise ValueError(f"wire must be a contiguous uint8 tensor of {k} x wire_bytes({n}) = {k * W} bytes, "
+            raise ValueError(f"wire must be a contiguous uint8 tensor of {k} x {what} = {k * W} bytes, "
                              f"got {wire.numel()} {wire.dtype}{'' if wire.is_contiguous() else ' (non-contiguous)'}")
         return W
 
@@ -746,4 +762,30 @@ def _self_check(lib) -> str | None:
             codec._c_decode(lib, fused.data_ptr(), W, fused.data_ptr() + P4, W, k, n, total, True)
             if not same_bits(total, values[0] + values[1] + values[2]):
                 return f"decode_wire_sum {codec.spec} {dtype}"
+    # row layouts: blocks starting on odd values, tiny segments, whole-block runs, two rows per chunk
+    segments, rows = (1, 64, 37, 96, 3, 33, 128), 2
+    n = rows * sum(segments)
+    for codec in (BlockCodec(4, 32), BlockCodec(8, 48), BlockCodec(4, 37), BlockCodec(4, 2048)):  # 2048: 4-block units
+        lay = _layout(codec.block, segments)
+        W, P, P4 = codec._seg_wire_bytes(n, lay), codec.payload_numel(n), codec.padded_payload_bytes(n)
+        for dtype in _FLOATS:
+            if dtype is torch.float16 and not lib.has_f16:
+                continue
+            x = (torch.randn(k * n, generator=g) * 3).to(dtype)
+            x[9], x[500], x[700:760] = float("nan"), float("inf"), 0.0
+            fused, ref = torch.empty(k * W, dtype=torch.uint8), torch.empty(k * W, dtype=torch.uint8)
+            codec._c_encode_seg(lib, x, k, n, order, lay, fused.data_ptr(), W, fused.data_ptr() + P4, P4 - P)
+            codec._ref_encode_rows(x, k, n, order, *codec._wire_views(ref, k, n, W), lay)
+            if not torch.equal(fused, ref):
+                return f"encode {codec.spec} {dtype} with segments"
+            pay, sc, _ = codec._wire_views(ref, k, n, W)
+            values = codec._ref_decode(pay, sc.contiguous().view(torch.float32), n, lay)
+            out = torch.empty(k * n, dtype=dtype)
+            codec._c_decode_seg(lib, fused.data_ptr(), W, fused.data_ptr() + P4, k, n, lay, out, False)
+            if not same_bits(out, values.view(-1).to(dtype)):
+                return f"decode {codec.spec} {dtype} with segments"
+            total = torch.empty(n)
+            codec._c_decode_seg(lib, fused.data_ptr(), W, fused.data_ptr() + P4, k, n, lay, total, True)
+            if not same_bits(total, values[0] + values[1] + values[2]):
+                return f"decode_wire_sum {codec.spec} {dtype} with segments"
     return None

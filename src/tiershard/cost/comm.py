@@ -43,11 +43,13 @@ class Priced:
         return self.collective.op.startswith(MICRO_OPS)
 
 
-def unit_shapes(model: ModelSpec, job: Job, chunking: tuple[int, int]) -> list[tuple[FlatGroupShape, int]]:
+def unit_shapes(model: ModelSpec, job: Job, chunking: tuple[int, ...],
+                frozen_chunking: tuple[int, ...] | None = None) -> list[tuple[FlatGroupShape, int]]:
     """Flat groups of the model and how many units share each shape (``traffic.module_shapes``'s convention).
 
     A unit's trainable and frozen parameters are separate flat groups, padded per parameter as the engine pads
-    them when cut by ``chunking`` (``Topology.chunking(os)``); parameter shapes are exact for a spec made
+    them when cut by ``chunking`` (``Topology.chunking(os)``; frozen ones by ``frozen_chunking``,
+    ``Topology.chunking(p)``); parameter shapes are exact for a spec made
     ``from_module`` and one flat tensor per group otherwise. A unit other than the root gathers again for
     backward when it has trainable parameters.
     """
@@ -56,7 +58,8 @@ def unit_shapes(model: ModelSpec, job: Job, chunking: tuple[int, int]) -> list[t
         for shapes, grad in ((trainable, True), (frozen, False)):
             if shapes:
                 backward = bool(trainable) and not root
-                out.append((FlatGroupShape(padded_unit_numel(shapes, chunking), grad, backward=backward), units))
+                cut = chunking if grad or frozen_chunking is None else frozen_chunking
+                out.append((FlatGroupShape(padded_unit_numel(shapes, cut), grad, backward=backward), units))
     return out
 
 
@@ -64,7 +67,7 @@ def plan_collectives(pl: Placement, model: ModelSpec, job: Job) -> list[Collecti
     """Every collective of one optimizer step, as ``traffic.group_collectives`` lists them (with the qwz / qgz
     wire formats: int8 gathers, per-tier int4 all-to-all hops)."""
     out: list[Collective] = []
-    for shape, units in unit_shapes(model, job, pl.topology.chunking(pl.os)):
+    for shape, units in unit_shapes(model, job, pl.topology.chunking(pl.os), pl.topology.chunking(pl.p)):
         for c in group_collectives(pl, shape, job.param_bytes, job.reduce_bytes, job.accum):
             out.append(replace(c, count=c.count * units))
     return out

@@ -34,14 +34,17 @@ logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_NestedSha
 
 
 def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPolicy = None,
-          param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> nn.Module:
+          param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+          qwz_eval: bool = False) -> nn.Module:
     """Shard ``model`` in place by ``plan`` over ``topology`` and return it.
 
     ``wrap``: module classes, class names or a predicate; each matching module is a unit (gathered and released
     as one), the root takes the rest. ``param_dtype``: compute and gather precision (default: the parameters'
     own dtype); ``reduce_dtype``: gradient reduction precision (default ``param_dtype``). Masters and optimizer
-    states are fp32 DTensors with the parameters' names and shapes. Every rank starts from rank 0's weights
-    and buffers. The model's device decides where every buffer lives.
+    states are fp32 DTensors with the parameters' names and shapes; frozen parameters (``requires_grad=False``)
+    are kept only in ``param_dtype`` at level p. Every rank starts from rank 0's weights and buffers. The
+    model's device decides where every buffer lives. ``qwz_eval``: with qwZ, forwards under ``torch.no_grad()``
+    (evaluation, ``generate()``) gather exact weights unless this is True.
     """
     if not dist.is_initialized():
         raise TopologyError("torch.distributed is not initialised: call torch.distributed.init_process_group() "
@@ -63,13 +66,14 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
     _check_same_everywhere(params)
     _broadcast_buffers(model)
 
-    chunking = topology.chunking(placement.os)
-    engine = Engine(model, placement, param_dtype, reduce_dtype, device)
+    engine = Engine(model, placement, param_dtype, reduce_dtype, device, qwz_eval)
     for spec in specs:
         groups = []
         for trainable in (True, False):
             owned = [entry for entry in spec.params if entry[0].requires_grad == trainable]
             if owned:
+                # cut as the masters' DTensors are: at os when trainable, at p (kept in param_dtype) when frozen
+                chunking = topology.chunking(placement.os if trainable else placement.p)
                 layouts = [ParamLayout(uses, names, p.shape, finest_chunks(p.shape[0], chunking))
                            for p, uses, names in owned]
                 values = _broadcast_values([p for p, _, _ in owned], device)

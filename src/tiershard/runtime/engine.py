@@ -12,7 +12,8 @@
     working .grad ready (post-accumulate hook of each trainable working tensor) when every one of the group's
                         tensors has its gradient: reduce to level g, at the boundary on to level os
     _PostBackward       the gradient of the unit's inputs is computed, so its weights are no longer needed:
-                        release, masters back in place
+                        release, masters back in place (a unit whose inputs need no gradient is released once
+                        its trainable groups are reduced: frozen layers below the first adapter)
     end of backward     reduce the trainable groups not reduced yet (zeros for unused ones, so every rank runs
                         the same collectives), release everything, reset the per-backward state
     optimizer.step()    a global post-step hook rebuilds the working copies of every group it stepped
@@ -84,6 +85,7 @@ class Unit:
         self.engine = engine
         self.fired = [0] * len(groups)
         self.reduced = [False] * len(groups)
+        self.awaits_post_backward = False     # its inputs carry _PostBackward: that releases it
         self.handles = [module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
                         module.register_forward_hook(self._post_forward)]
         for index, group in enumerate(groups):
@@ -99,9 +101,9 @@ class Unit:
                 for module, name in layout.uses:
                     module._parameters[name] = tensor
 
-    def gather(self, op: str) -> None:
+    def gather(self, op: str, exact: bool = False) -> None:
         for group in self.groups:
-            group.gather(op)
+            group.gather(op, exact)
         self._show(working=True)
 
     def release(self) -> None:
@@ -114,8 +116,9 @@ class Unit:
         in_backward = _in_backward()
         if not in_backward:
             self.engine.before_forward(self)
+        exact = not self.engine.qwz_eval and not torch.is_grad_enabled()
         with torch.profiler.record_function(f"tiershard::gather[{self.path}]"):
-            self.gather("param_gather")
+            self.gather("param_gather", exact)
         if self is self.engine.root and self.engine.cast_dtype is not None:
             cast = self.engine.cast_dtype
             args, kwargs = _map_tensors(lambda t: t.to(cast) if t.is_floating_point() else t, (args, kwargs))
@@ -123,6 +126,7 @@ class Unit:
             flat, spec = tree_flatten((args, kwargs))
             needs = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             if needs:
+                self.awaits_post_backward = True
                 outs = _PostBackward.apply(self, *(flat[i] for i in needs))
                 for i, t in zip(needs, outs):
                     flat[i] = t
@@ -167,6 +171,9 @@ class Unit:
             if self.engine.sync_grads:
                 group.sync_grads()
         self.reduced[index] = True
+        # without a gradient to its inputs, the unit's backward is over once its parameters have theirs
+        if not self.awaits_post_backward and all(r or not g.trainable for r, g in zip(self.reduced, self.groups)):
+            self.release()
 
     def post_backward(self) -> None:
         self.release()
@@ -182,14 +189,16 @@ class Unit:
         self.release()
         self.fired = [0] * len(self.groups)
         self.reduced = [False] * len(self.groups)
+        self.awaits_post_backward = False
 
 
 class Engine:
     """The sharding state of one model: its units, placement, precision and the backward in flight."""
 
     def __init__(self, model: nn.Module, placement: "Placement", param_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype, device: torch.device):
+                 reduce_dtype: torch.dtype, device: torch.device, qwz_eval: bool = False):
         self.model_ref = weakref.ref(model)
+        self.qwz_eval = qwz_eval
         self.placement, self.topology = placement, placement.topology
         self.param_dtype, self.reduce_dtype, self.device = param_dtype, reduce_dtype, device
         self.cast_dtype = param_dtype if param_dtype != torch.float32 else None

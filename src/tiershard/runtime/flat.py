@@ -77,18 +77,26 @@ class FlatGroup:
         self.U = plan_columns(self.layouts)
         self.S = self.W * self.U
         self.cols = [layout.cols for layout in self.layouts]
-        self.mesh, self.os_placements = topo.mesh, topo.placements(placement.os)
-        # one spec per parameter, shared by its master and its gradients (both fp32 at level os)
-        self.specs = [DTensorSpec(self.mesh, self.os_placements,
-                                  TensorMeta(layout.shape, _contiguous_stride(layout.shape), torch.float32))
+        # masters: fp32 at level os for trainable parameters; frozen ones are kept only as what compute needs,
+        # param_dtype at level p (no fp32 copy, no gradient, no optimizer state)
+        self.level = placement.os if trainable else placement.p
+        self.master_dtype = torch.float32 if trainable else param_dtype
+        self.mesh, self.placements = topo.mesh, topo.placements(self.level)
+        # one spec per parameter, shared by its master and its gradients (both fp32 at level os when trainable)
+        self.specs = [DTensorSpec(self.mesh, self.placements,
+                                  TensorMeta(layout.shape, _contiguous_stride(layout.shape), self.master_dtype))
                       for layout in self.layouts]
         self.masters = [self._make_master(i, value) for i, value in enumerate(values)]
-        self.working = [nn.Parameter(torch.empty(layout.shape, dtype=param_dtype, device=device),
-                                     requires_grad=trainable) for layout in self.layouts]
+        if trainable or placement.p > 0:
+            self.working = [nn.Parameter(torch.empty(layout.shape, dtype=param_dtype, device=device),
+                                         requires_grad=trainable) for layout in self.layouts]
+        else:                          # frozen and replicated: the masters' storage is the working copy
+            self.working = [nn.Parameter(_alias(self.master_local(i)), requires_grad=False)
+                            for i in range(len(self.layouts))]
         self.aliases = [_alias(w) for w in self.working]
         self.allocated = True          # the working tensors have storage (always, when p is replicated)
-        self.p_shard = None if placement.p == 0 else torch.empty(self.S // self.size(placement.p),
-                                                                  dtype=param_dtype, device=device)
+        self.p_shard = None if placement.p == 0 or not trainable else \
+            torch.empty(self.S // self.size(placement.p), dtype=param_dtype, device=device)
         self.grad_acc: torch.Tensor | None = None   # allocated by the first micro-step, handed over at the boundary
         self.grad_pending = False      # grad_acc holds micro-steps not yet moved to the masters' grads
         self._marks: list[tuple[int, int] | None] = [None] * len(self.layouts)   # (id, version) of grads set
@@ -125,13 +133,13 @@ class FlatGroup:
 
     # ---- masters ------------------------------------------------------------------------------
     def _dtensor(self, index: int, local: torch.Tensor) -> DTensor:
-        """This rank's level-os shard of parameter ``index`` as a DTensor (no autograd, no checks: the spec is
-        made once, as FSDP2 does)."""
+        """This rank's shard of parameter ``index`` at the masters' level as a DTensor (no autograd, no checks:
+        the spec is made once, as FSDP2 does)."""
         return DTensor(local, self.specs[index], requires_grad=False)
 
     def _make_master(self, index: int, full: torch.Tensor) -> nn.Parameter:
-        band = self.layouts[index].band(self.first_slot(self.pl.os), self.slots(self.pl.os))
-        local = full.detach().narrow(0, band.start, band.length).to(device=self.device, dtype=torch.float32)
+        band = self.layouts[index].band(self.first_slot(self.level), self.slots(self.level))
+        local = full.detach().narrow(0, band.start, band.length).to(device=self.device, dtype=self.master_dtype)
         master = nn.Parameter(self._dtensor(index, local.clone()), requires_grad=self.trainable)
         master.__class__ = TierMaster
         return master
@@ -150,20 +158,20 @@ class FlatGroup:
 
     # ---- parameters: masters -> p_shard -> working ------------------------------------------------
     def _pack_masters(self, dtype: torch.dtype) -> torch.Tensor:
-        """The masters as this rank's level-os band (slots x U), in ``dtype``: one interleaving copy."""
-        n_os = self.slots(self.pl.os)
-        band = torch.empty(self.S // self.size(self.pl.os), dtype=dtype, device=self.device)
+        """The masters as this rank's band at their level (slots x U), in ``dtype``: one interleaving copy."""
+        n = self.slots(self.level)
+        band = torch.empty(self.S // self.size(self.level), dtype=dtype, device=self.device)
         pieces = []
         for i, layout in enumerate(self.layouts):
             local = self.master_local(i)
-            b = layout.band(self.first_slot(self.pl.os), n_os)
+            b = layout.band(self.first_slot(self.level), n)
             if b.index is None and b.length == b.padded:
                 pieces.append(local.reshape(-1))
             else:
-                padded = torch.empty(b.padded, layout.row, device=self.device)
+                padded = torch.empty(b.padded, layout.row, dtype=self.master_dtype, device=self.device)
                 b.pad_into(local, padded)
                 pieces.append(padded.view(-1))
-        _chunk_cat(pieces, n_os, band)
+        _chunk_cat(pieces, n, band)
         return band
 
     def _split_full(self, full: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
@@ -185,7 +193,7 @@ class FlatGroup:
         """Every parameter's full fp32 value: one all-gather of the masters for the group, or with
         ``rank0_only`` one gather to rank 0 (the other ranks get an empty list and hold nothing more)."""
         band = self._pack_masters(torch.float32)
-        group = self.group(0, self.pl.os)
+        group = self.group(0, self.level)
         if rank0_only and 0 not in group.ranks:
             return []
         full = torch.empty(self.S if not rank0_only or self.rank == 0 else 0, device=self.device)
@@ -201,53 +209,60 @@ class FlatGroup:
 
     @torch.no_grad()
     def sync_params(self) -> None:
-        """Bring the masters (level os) back to the parameter level p; drop every derived copy."""
+        """Bring the masters back to the parameter level p; drop every derived copy."""
         pl = self.pl
-        band = self._pack_masters(self.param_dtype)
-        if pl.p < pl.os:
-            level_p = torch.empty(self.S // self.size(pl.p), dtype=self.param_dtype, device=self.device)
-            self._all_gather(level_p, band, pl.p, pl.os, "param_sync")
-        else:
-            start, end = self.chunk_range(pl.p)
-            base, _ = self.chunk_range(pl.os)
-            level_p = band[start - base:end - base]
         self.weights_version += 1
         self.hpz.clear()
         self._encoded_p = None
-        if pl.p == 0:
-            self._copy_out(level_p)
-            self.gathered_version = self.weights_version
+        if not self.trainable:         # frozen masters already are the level-p copy (gathered from on use)
+            if pl.p == 0:
+                self.gathered_version = self.weights_version
         else:
-            self.p_shard.copy_(level_p)     # working tensors in use are refilled by the next gather
+            band = self._pack_masters(self.param_dtype)
+            if pl.p < pl.os:
+                level_p = torch.empty(self.S // self.size(pl.p), dtype=self.param_dtype, device=self.device)
+                self._all_gather(level_p, band, pl.p, pl.os, "param_sync")
+            else:
+                start, end = self.chunk_range(pl.p)
+                base, _ = self.chunk_range(pl.os)
+                level_p = band[start - base:end - base]
+            if pl.p == 0:
+                self._copy_out(level_p)
+                self.gathered_version = self.weights_version
+            else:
+                self.p_shard.copy_(level_p)     # working tensors in use are refilled by the next gather
         self._synced_marks = self._master_marks()
         for m in self.masters:
             m.__dict__.pop("_tiershard_touched", None)
 
     @torch.no_grad()
-    def gather(self, op: str) -> None:
-        """Fill the working tensors from the finest valid copy: an hpz band of the current weights, else p_shard."""
-        if self.gathered_version == self.weights_version:
+    def gather(self, op: str, exact: bool = False) -> None:
+        """Fill the working tensors from the finest valid copy: an hpz band of the current weights, else the
+        level-p band. ``exact``: skip qwZ and the hpz bands (forwards under no_grad, when asked for)."""
+        if self.gathered_version == self.weights_version and not exact:
             return
         pl = self.pl
-        level, source = pl.p, self.p_shard
-        for h in pl.hpz:   # sorted innermost first: the smallest group wins
+        level, source = pl.p, self.p_shard if self.trainable else None
+        for h in () if exact else pl.hpz:   # sorted innermost first: the smallest group wins
             cached = self.hpz.get(h)
             if cached is not None and cached[0] == self.weights_version:
                 level, source = h, cached[1]
                 break
+        if level == pl.p and source is None:
+            source = self._pack_masters(self.param_dtype)
         full = torch.empty(self.S, dtype=self.param_dtype, device=self.device)
-        if self.qwz is None:
+        encoded = None
+        if self.qwz is None or exact:
             self._all_gather(full, source, 0, level, op)
-            encoded = None
         else:
             chunks, numel = self.size(pl.p), self.S // self.size(pl.p)
             if level == pl.p:
                 if self._encoded_p is None or self._encoded_p[0] != self.weights_version:
-                    self._encoded_p = (self.weights_version, self.qwz.encode(self.p_shard))
+                    self._encoded_p = (self.weights_version, self.qwz.encode(source))
                 source = self._encoded_p[1]
             encoded = self.qwz.gather(source, self.group(0, level), chunks, numel, self.topo, op)
             self.qwz.decode(encoded, chunks, numel, out=full)
-        for h in pl.hpz:
+        for h in () if exact else pl.hpz:
             if self.hpz.get(h, (None,))[0] != self.weights_version:
                 self.hpz[h] = (self.weights_version, self._hpz_band(h, full, encoded))
         if not self.allocated:
@@ -255,7 +270,7 @@ class FlatGroup:
                 w.untyped_storage().resize_(w.numel() * w.element_size())
             self.allocated = True
         self._copy_out(full)
-        self.gathered_version = self.weights_version
+        self.gathered_version = -1 if exact else self.weights_version    # an exact copy is not reused
 
     def _copy_out(self, full: torch.Tensor) -> None:
         self._split_full(full, self.aliases)
@@ -414,19 +429,25 @@ class FlatGroup:
     def load_full(self, index: int, full: torch.Tensor) -> None:
         """Write a parameter's full fp32 value: every rank has it, so each cuts its own shard."""
         layout = self.layouts[index]
-        b = layout.band(self.first_slot(self.pl.os), self.slots(self.pl.os))
+        b = layout.band(self.first_slot(self.level), self.slots(self.level))
         self.master_local(index).copy_(full.detach().narrow(0, b.start, b.length))
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of each persistent model state this rank holds for the group."""
         def nbytes(t):
             return 0 if t is None else t.numel() * t.element_size()
-        params = nbytes(self.p_shard) if self.pl.p > 0 else sum(nbytes(w) for w in self.working)
+        masters = sum(nbytes(self.master_local(i)) for i in range(len(self.masters)))
+        if not self.trainable:         # frozen: the masters are the working copy at level p
+            params, masters = masters, 0
+        elif self.pl.p > 0:
+            params = nbytes(self.p_shard)
+        else:
+            params = sum(nbytes(w) for w in self.working)
         hpz = sum(nbytes(value) for _, value in self.hpz.values())
         return {
             "params": params,
             "grads": self.S // self.size(self.pl.g) * 4 if self.trainable else 0,   # the level-g accumulator
-            "masters": sum(nbytes(self.master_local(i)) for i in range(len(self.masters))),
+            "masters": masters,
             "hpz": hpz,
         }
 
