@@ -17,8 +17,8 @@ odd-sized) between 12 large ones in proportions 3:1:4:4 of the rest. The odd wid
 first value, the costlier case for the packed nibbles.
 
 Every time is the best of ``--reps`` runs of one operation repeated back to back (its buffers hot in cache, which
-favours memcpy most), spread over 4 rounds that alternate between the operations: the machine is shared, so the
-best run is the least disturbed one, and alternating exposes all four to the same disturbances.
+favours memcpy most), spread over 4 rounds that alternate between the operations of both layouts: the machine is
+shared, so the best run is the least disturbed one, and alternating exposes all of them to the same disturbances.
 ``torch.set_num_threads(T)`` applies to memcpy and the codecs alike, for each T in ``--threads``.
 
     .venv/bin/python benchmarks/codec_throughput.py                 # fused kernels (the default backend)
@@ -57,35 +57,36 @@ def row_layout(U: int) -> list[int]:
     return [w for pair in zip(large, SMALL) for w in pair]
 
 
-def measure(codec: BlockCodec, n: int, dtype: torch.dtype, reps: int, layout: str = "flat") -> dict[str, float]:
-    """Best seconds of memcpy, encode, decode and decode-sum of n values of dtype (K chunks). Each operation runs
-    back to back in 4 rounds that alternate with the others', so a disturbance from other processes cannot hit only
-    one of them."""
+def measure(codec: BlockCodec, n: int, dtype: torch.dtype, reps: int,
+            layouts: tuple[str, ...] = ("flat",)) -> dict[str, dict[str, float]]:
+    """Best seconds of memcpy, encode, decode and decode-sum of n values of dtype (K chunks), per layout. Each
+    operation runs back to back in 4 rounds that alternate with the others' (both layouts' included), so a
+    disturbance from other processes cannot hit only one of them."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, generator=g).to(dtype)
     y = torch.empty_like(x)
     chunk = n // K
-    segments = None if layout == "flat" else row_layout(chunk // ROWS)
-    wire = torch.empty(K * codec.wire_bytes(chunk, segments), dtype=torch.uint8)
     out = torch.empty_like(x)
     total = torch.empty(chunk)
     order = list(reversed(range(K)))
-    ops = {
-        "memcpy": lambda: y.copy_(x),
-        "encode": lambda: codec.encode_wire(x, K, wire, order, segments),
-        "decode": lambda: codec.decode_wire(wire, K, chunk, out, segments=segments),
-        "sum": lambda: codec.decode_wire_sum(wire, K, chunk, total, segments=segments),
-    }
+    ops = {}
+    for layout in layouts:
+        segments = None if layout == "flat" else tuple(row_layout(chunk // ROWS))
+        wire = torch.empty(K * codec.wire_bytes(chunk, segments), dtype=torch.uint8)
+        ops[layout, "memcpy"] = lambda: y.copy_(x)
+        ops[layout, "encode"] = lambda w=wire, s=segments: codec.encode_wire(x, K, w, order, s)
+        ops[layout, "decode"] = lambda w=wire, s=segments: codec.decode_wire(w, K, chunk, out, segments=s)
+        ops[layout, "sum"] = lambda w=wire, s=segments: codec.decode_wire_sum(w, K, chunk, total, segments=s)
     best = dict.fromkeys(ops, float("inf"))
     rounds = 4
     for _ in range(rounds):
-        for name, fn in ops.items():
+        for key, fn in ops.items():
             fn()  # warm-up: each operation is timed with its own buffers hot in cache, memcpy included
             for _ in range(-(-reps // rounds)):
                 t0 = time.perf_counter()
                 fn()
-                best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+                best[key] = min(best[key], time.perf_counter() - t0)
+    return {layout: {op: best[layout, op] for op in ("memcpy", "encode", "decode", "sum")} for layout in layouts}
 
 
 def main() -> None:
@@ -114,8 +115,8 @@ def main() -> None:
                 dtype = getattr(torch, dname)
                 nbytes = n * dtype.itemsize
                 for codec in (INT8, INT4):
-                    for layout in args.layouts:
-                        t = measure(codec, n, dtype, args.reps, layout)
+                    times = measure(codec, n, dtype, args.reps, tuple(args.layouts))
+                    for layout, t in times.items():
                         gbs = {key: nbytes / sec / 1e9 for key, sec in t.items()}
                         ratio = 100 * t["memcpy"] / (t["encode"] + t["decode"])
                         print(f"{threads:>7} {size:>9} {dname:>8} {codec.spec:>9} {layout:>6} {gbs['memcpy']:>8.1f} "

@@ -142,7 +142,11 @@ static void pack4(const uint8_t* restrict q, int64_t pairs, uint8_t* restrict ds
         __m512i u = _mm512_loadu_si512(q + 2 * p);
         _mm256_storeu_si256((__m256i*)(dst + p), _mm512_cvtepi16_epi8(_mm512_or_si512(u, _mm512_srli_epi16(u, 4))));
     }
-    for (; p < pairs; p++) dst[p] = (uint8_t)(q[2 * p] | (q[2 * p + 1] << 4));
+    if (p < pairs) {  /* masked tail: the short blocks of row layouts end here */
+        const int64_t r = pairs - p;
+        __m512i u = _mm512_maskz_loadu_epi8((__mmask64)((1ull << (2 * r)) - 1u), q + 2 * p);
+        _mm256_mask_storeu_epi8(dst + p, (__mmask32)((1ull << r) - 1u), _mm512_cvtepi16_epi8(_mm512_or_si512(u, _mm512_srli_epi16(u, 4))));
+    }
 }
 static void unpack4(const uint8_t* restrict p, int64_t nbytes, uint8_t* restrict q) {
     const __m512i m0f = _mm512_set1_epi16(0x0f), mf0 = _mm512_set1_epi16(0xf0);
@@ -151,7 +155,12 @@ static void unpack4(const uint8_t* restrict p, int64_t nbytes, uint8_t* restrict
         __m512i u = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(p + t)));
         _mm512_storeu_si512(q + 2 * t, _mm512_or_si512(_mm512_and_si512(u, m0f), _mm512_slli_epi16(_mm512_and_si512(u, mf0), 4)));
     }
-    for (; t < nbytes; t++) { q[2 * t] = p[t] & 15u; q[2 * t + 1] = p[t] >> 4; }
+    if (t < nbytes) {  /* masked tail */
+        const int64_t r = nbytes - t;
+        __m512i u = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8((__mmask32)((1ull << r) - 1u), p + t));
+        _mm512_mask_storeu_epi8(q + 2 * t, (__mmask64)((1ull << (2 * r)) - 1u),
+                                _mm512_or_si512(_mm512_and_si512(u, m0f), _mm512_slli_epi16(_mm512_and_si512(u, mf0), 4)));
+    }
 }
 static inline void dq16(const uint8_t* q, int32_t off, int64_t i, __mmask16 k, __m512 vs, void* o, int dt, int add) {
     __m128i b = _mm_maskz_loadu_epi8(k, q + i);
@@ -577,8 +586,7 @@ __attribute__((noinline)) static void encode_seg_run(const char* x, int dt, cons
         }
         return;
     }
-    (void)Jb;
-    int64_t J = Ja, s = base + bs[b], m = bs[b + 1] - bs[b];
+    int64_t J = Ja, s = base + bs[b], m = bs[b + 1] - bs[b];  /* int4: the tiles find the blocks up to e */
     const int64_t a = s, t0 = a & ~(int64_t)1;
     float scale = block_scale(x + s * es, dt, m, qmax);
     memcpy(sc + 4 * J, &scale, 4);

@@ -14,7 +14,8 @@ reference, bit for bit, whenever ``triton`` is installed.
 Kernels: one program per (chunk, block) encodes a whole block when it fits in registers (int8 any block, int4 an
 even block, up to ``_FUSED_MAX`` values); otherwise one program per (chunk, block) writes the scales and a second
 kernel quantizes per value (int4 odd blocks pair values across two blocks). Decoding is one program per (chunk,
-tile of values); the sum loops over the chunks inside each program.
+tile of values); the sum loops over the chunks inside each program. Row layouts (``segments``) have their own
+kernels (``*_seg``), driven by the layout's block table: one program per (block, chunk), see below.
 """
 from __future__ import annotations
 
