@@ -70,6 +70,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head = cfg.n_head
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj.init_std = 0.02 / math.sqrt(2 * cfg.n_layer)     # GPT-2's scaled residual projections
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
 
@@ -89,6 +90,7 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.gelu = nn.GELU()
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj.init_std = 0.02 / math.sqrt(2 * cfg.n_layer)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,15 +125,14 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied: one parameter, two uses
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):  # GPT-2's scaled init of the residual projections
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        self.apply(self.init_weights)
 
     @staticmethod
-    def _init_weights(module: nn.Module) -> None:
+    def init_weights(module: nn.Module) -> None:
+        """GPT-2's initialisation of one module; ``model.apply`` runs it, and so does sharding a GPT built on the
+        meta device (``ts.shard(..., init=GPT.init_weights)``), with the same result."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            nn.init.normal_(module.weight, mean=0.0, std=getattr(module, "init_std", 0.02))
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 

@@ -16,6 +16,7 @@ from ..topology import Topology, TopologyError
 from .engine import Engine, Unit
 from .flat import FlatGroup
 from .layout import ParamLayout, finest_chunks
+from .materialize import InitFn, materialize
 from .wrap import WrapPolicy, find_units
 
 __all__ = ["shard", "no_sync", "clip_grad_norm_", "full_state_dict", "load_full_state_dict", "memory_stats"]
@@ -35,7 +36,8 @@ logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_NestedSha
 
 def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPolicy = None,
           param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-          qwz_eval: bool = False) -> nn.Module:
+          qwz_eval: bool = False, init: InitFn | None = None,
+          device: torch.device | str | None = None) -> nn.Module:
     """Shard ``model`` in place by ``plan`` over ``topology`` and return it.
 
     ``wrap``: module classes, class names or a predicate; each matching module is a unit (gathered and released
@@ -45,6 +47,11 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
     are kept only in ``param_dtype`` at level p. Every rank starts from rank 0's weights and buffers. The
     model's device decides where every buffer lives. ``qwz_eval``: with qwZ, forwards under ``torch.no_grad()``
     (evaluation, ``generate()``) gather exact weights unless this is True.
+
+    A model built under ``torch.device("meta")`` is materialised shard by shard on ``device`` (default: the
+    current CUDA device under NCCL, else the CPU): each module's ``reset_parameters()`` and then ``init(module)``
+    (children first, as ``model.apply``) replay eager initialisation one module at a time ([Note: meta init
+    replay]); load pretrained weights afterwards with ``ts.load_full_state_dict`` or ``ts.load``.
     """
     if not dist.is_initialized():
         raise TopologyError("torch.distributed is not initialised: call torch.distributed.init_process_group() "
@@ -56,7 +63,10 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
     placement = plan.resolve(topology)
     specs = find_units(model, wrap)
     params = [entry for spec in specs for entry in spec.params]
-    device = _device_of(model)
+    device, meta = _target_device(model, device)
+    if init is not None and not meta:
+        raise ValueError("init= replays initialisation for a model built on the meta device; this model already "
+                         "has its weights: drop init=, or build it under torch.device('meta')")
     param_dtype = param_dtype or _common_dtype(params)
     reduce_dtype = reduce_dtype or param_dtype
     for dtype, what in ((param_dtype, "param_dtype"), (reduce_dtype, "reduce_dtype")):
@@ -64,7 +74,9 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
             raise ValueError(f"{what}={dtype} must be a floating dtype such as torch.bfloat16")
     topology.init_process_groups(device.type)
     _check_same_everywhere(params)
-    _broadcast_buffers(model)
+    if not meta:
+        _broadcast_buffers(model)
+    dtypes = {}
 
     engine = Engine(model, placement, param_dtype, reduce_dtype, device, qwz_eval)
     for spec in specs:
@@ -76,27 +88,41 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
                 chunking = topology.chunking(placement.os if trainable else placement.p)
                 layouts = [ParamLayout(uses, names, p.shape, finest_chunks(p.shape[0], chunking))
                            for p, uses, names in owned]
-                values = _broadcast_values([p for p, _, _ in owned], device)
-                groups.append(FlatGroup(layouts, values, placement, trainable, param_dtype, reduce_dtype, device))
+                values = None if meta else _broadcast_values([p for p, _, _ in owned], device)
+                group = FlatGroup(layouts, values, placement, trainable, param_dtype, reduce_dtype, device)
+                dtypes.update((id(m), p.dtype) for m, (p, _, _) in zip(group.masters, owned))
+                groups.append(group)
         unit = Unit(spec.path, spec.module, groups, engine)
         unit.release()          # the module shows the masters from now on
         engine.units.append(unit)
+    if meta:
+        materialize(model, engine, device, dtypes, init)
+        _broadcast_buffers(model)
+        for group in engine.groups():
+            group.sync_params()
     model._tiershard = engine
     model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: engine.settle())
     model.register_load_state_dict_pre_hook(lambda module, *args, **kwargs: engine.settle())
     return model
 
 
-def _device_of(model: nn.Module) -> torch.device:
+def _target_device(model: nn.Module, device: torch.device | str | None) -> tuple[torch.device, bool]:
+    """Where the shards go, and whether the model is on the meta device (to be materialised there)."""
     devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
     if len(devices) != 1:
         raise ValueError(f"the model's tensors are on several devices ({sorted(map(str, devices))}): move it to "
-                         "one device (model.to('cuda') or model.to('cpu')) before ts.shard")
-    device = devices.pop()
-    if device.type == "meta":
-        raise ValueError("the model is on the meta device: materialise it first (model.to_empty(device=...) and "
-                         "its own init) before ts.shard")
-    return device
+                         "one device (model.to('cuda') or model.to('cpu')), or build it all under "
+                         "torch.device('meta'), before ts.shard")
+    own = devices.pop()
+    if own.type != "meta":
+        if device is not None and torch.device(device) != own:
+            raise ValueError(f"the model is on {own} but device={device}: move the model, or build it on the "
+                             "meta device to have it materialised there")
+        return own, False
+    if device is None:
+        cuda = dist.get_backend() == "nccl" and torch.cuda.is_available()
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return torch.device(device), True
 
 
 def _common_dtype(params) -> torch.dtype:

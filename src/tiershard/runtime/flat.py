@@ -67,7 +67,7 @@ def _alias(tensor: torch.Tensor) -> torch.Tensor:
 class FlatGroup:
     """Storage and level-to-level moves for one group of parameters; no hooks, no schedule."""
 
-    def __init__(self, layouts: Sequence[ParamLayout], values: Sequence[torch.Tensor], placement: "Placement",
+    def __init__(self, layouts: Sequence[ParamLayout], values: Sequence[torch.Tensor] | None, placement: "Placement",
                  trainable: bool, param_dtype: torch.dtype, reduce_dtype: torch.dtype, device: torch.device):
         topo = placement.topology
         self.layouts, self.pl, self.topo, self.rank = list(layouts), placement, topo, topo.rank
@@ -86,7 +86,7 @@ class FlatGroup:
         self.specs = [DTensorSpec(self.mesh, self.placements,
                                   TensorMeta(layout.shape, _contiguous_stride(layout.shape), self.master_dtype))
                       for layout in self.layouts]
-        self.masters = [self._make_master(i, value) for i, value in enumerate(values)]
+        self.masters = [self._make_master(i, None if values is None else values[i]) for i in range(len(layouts))]
         if trainable or placement.p > 0:
             self.working = [nn.Parameter(torch.empty(layout.shape, dtype=param_dtype, device=device),
                                          requires_grad=trainable) for layout in self.layouts]
@@ -137,10 +137,14 @@ class FlatGroup:
         the spec is made once, as FSDP2 does)."""
         return DTensor(local, self.specs[index], requires_grad=False)
 
-    def _make_master(self, index: int, full: torch.Tensor) -> nn.Parameter:
+    def _make_master(self, index: int, full: torch.Tensor | None) -> nn.Parameter:
+        """The master of parameter ``index`` from its full value (None: uninitialised, for a meta model)."""
         band = self.layouts[index].band(self.first_slot(self.level), self.slots(self.level))
-        local = full.detach().narrow(0, band.start, band.length).to(device=self.device, dtype=self.master_dtype)
-        master = nn.Parameter(self._dtensor(index, local.clone()), requires_grad=self.trainable)
+        if full is None:
+            local = torch.empty(band.shape, dtype=self.master_dtype, device=self.device)
+        else:
+            local = full.detach().narrow(0, band.start, band.length).to(self.device, self.master_dtype).clone()
+        master = nn.Parameter(self._dtensor(index, local), requires_grad=self.trainable)
         master.__class__ = TierMaster
         return master
 

@@ -1,0 +1,129 @@
+"""Materialising a model built on the meta device, one module at a time, into this rank's shards.
+
+[Note: meta init replay] A 7B model does not fit in one rank before sharding, so it is built under
+``torch.device("meta")`` and ``ts.shard`` makes its masters directly. Their values come from replaying, one
+module at a time with that module's parameters materialised in full on the target device, what eager
+construction does:
+
+1. every module in construction order (``named_modules``, parents before children) runs its
+   ``reset_parameters()``: what torch's layer constructors do;
+2. with ``init=fn``, ``fn(module)`` for every module children first, as ``model.apply(fn)`` does: a model's own
+   initialisation (``transformers``' ``_init_weights``, nanoGPT's ``_init_weights``).
+
+With the same seed this consumes the random stream exactly as eager construction does, so the weights are
+the same. A parameter tied to an earlier module's (an LM head to the embedding) is a scratch tensor in step 1:
+its draws happen and are discarded, as eager construction discards the head's own weight when it is tied.
+The last step's values are taken from rank 0 (one broadcast per module), as the eager path does, so ranks
+seeded differently still agree. Only one module's parameters exist in full at a time: peak memory is this
+rank's shards plus one module. Every parameter and buffer must be written by one of the steps; one that is
+not raises, naming it, instead of training on uninitialised memory.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .engine import Engine
+
+InitFn = Callable[[nn.Module], None]
+
+
+def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    for name, child in module.named_children():
+        yield from _post_order(child, f"{prefix}.{name}" if prefix else name)
+    yield prefix, module
+
+
+def materialize(model: nn.Module, engine: Engine, device: torch.device, dtypes: dict[int, torch.dtype],
+                init: InitFn | None) -> None:
+    """Replay the model's initialisation ([Note: meta init replay]) into the masters and real buffers."""
+    where = {}     # id(master) -> (group, index): where a parameter's shard lives
+    for group in engine.groups():
+        for index, master in enumerate(group.masters):
+            where[id(master)] = (group, index)
+    written: dict[int, bool] = {key: False for key in where}
+    last = "init" if init is not None else "reset"
+    owners: set[int] = set()
+    with torch.no_grad():
+        for path, module in model.named_modules():
+            _materialize_buffers(module, device)
+            if not module._parameters and not module._buffers:
+                continue
+            full = _open(module, where, device, dtypes, from_masters=False)
+            scratch = {name for name, (key, _) in full.items() if key in owners}
+            owners.update(key for key, _ in full.values())
+            versions = {name: t._version for name, (_, t) in full.items()}
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+            _close(module, full, where, written, versions, keep=lambda name: name not in scratch,
+                   broadcast=last == "reset")
+        if init is not None:
+            for path, module in _post_order(model):
+                if not module._parameters:
+                    init(module)          # buffers only (rotary tables, ...): already real
+                    _note_buffer_writes(module)
+                    continue
+                full = _open(module, where, device, dtypes, from_masters=True)
+                versions = {name: t._version for name, (_, t) in full.items()}
+                init(module)
+                _close(module, full, where, written, versions, keep=lambda name: True, broadcast=True)
+    missing = [group.layouts[index].name for key, (group, index) in where.items() if not written[key]]
+    if missing:
+        raise ValueError(f"parameters {missing[:5]} were not initialised on the meta device: their modules have no "
+                         "reset_parameters(); pass ts.shard(..., init=fn) with the model's own initialisation "
+                         "(e.g. init=model._init_weights for a transformers model)")
+    unset = [f"{path}.{name}" if path else name for path, module in model.named_modules()
+             for name, buf in module._buffers.items() if buf is not None and getattr(buf, "_ts_unset", False)]
+    if unset:
+        raise ValueError(f"buffers {unset[:5]} were not initialised on the meta device: give their modules a "
+                         "reset_parameters() or pass ts.shard(..., init=fn) that sets them")
+
+
+def _materialize_buffers(module: nn.Module, device: torch.device) -> None:
+    for name, buf in module._buffers.items():
+        if buf is not None and buf.device.type == "meta":
+            real = torch.empty_like(buf, device=device)
+            real._ts_unset = True           # cleared by the first write (see _close)
+            real._ts_version = real._version
+            module._buffers[name] = real
+
+
+def _open(module: nn.Module, where: dict, device: torch.device, dtypes: dict[int, torch.dtype],
+          from_masters: bool) -> dict[str, tuple[int, torch.Tensor]]:
+    """Swap the module's own masters for full tensors (current values, or empty); returns name -> (id, tensor)."""
+    full = {}
+    for name, master in module._parameters.items():
+        if master is None or id(master) not in where:
+            continue
+        group, index = where[id(master)]
+        dtype = dtypes.get(id(master), master.dtype)
+        if from_masters:
+            tensor = master.detach().full_tensor().to(dtype)
+        else:
+            tensor = torch.empty(master.shape, dtype=dtype, device=device)
+        full[name] = (id(master), tensor)
+        module._parameters[name] = nn.Parameter(tensor, requires_grad=master.requires_grad)
+    return full
+
+
+def _close(module: nn.Module, full: dict, where: dict, written: dict, versions: dict, keep, broadcast: bool) -> None:
+    """Cut the written full tensors into the masters' shards (rank 0's values) and put the masters back."""
+    for name, (key, tensor) in full.items():
+        group, index = where[key]
+        changed = tensor._version != versions[name]
+        if keep(name) and changed:
+            if broadcast and dist.is_initialized():
+                dist.broadcast(tensor, src=0)
+            group.load_full(index, tensor)
+            written[key] = True
+        module._parameters[name] = group.masters[index]
+    _note_buffer_writes(module)
+
+
+def _note_buffer_writes(module: nn.Module) -> None:
+    for buf in module._buffers.values():
+        if buf is not None and getattr(buf, "_ts_unset", False) and buf._version != buf._ts_version:
+            buf._ts_unset = False
