@@ -721,6 +721,16 @@ _TRITON_SCRIPT = textwrap.dedent("""
             total = torch.empty(n)
             T.decode_wire_sum_seg(codec, ref, k, n, total, lay)
             assert same_bits(total, codec.decode_wire_sum(ref, k, n, segments=segs)), (codec, segs, dtype)
+    # the dispatch from the wire API (what a CUDA tensor takes), here forced onto the interpreted kernels
+    from tiershard.comm import codecs
+    segs, x = (1, 64, 37, 3, 34), (torch.randn(2 * 139, generator=g) * 3).to(torch.bfloat16)
+    ref = INT4.encode_wire(x, 2, order=[1, 0], segments=segs)
+    ref_dec, ref_sum = INT4.decode_wire(ref, 2, 139, segments=segs), INT4.decode_wire_sum(ref, 2, 139, segments=segs)
+    codecs._cpu_lib, codecs._gpu_lib = (lambda t, dtype: None), (lambda t, wire: T)
+    wire = INT4.encode_wire(x, 2, order=[1, 0], segments=segs)
+    assert torch.equal(wire, ref)
+    assert same_bits(INT4.decode_wire(wire, 2, 139, segments=segs), ref_dec)
+    assert same_bits(INT4.decode_wire_sum(wire, 2, 139, segments=segs), ref_sum)
     print("triton kernels match")
 """)
 

@@ -580,9 +580,10 @@ class BlockCodec:
     # ---- wire API: payload and scales in one buffer, one collective ----------------------------------------
     def _check_wire(self, wire: Tensor, k: int, n: int, W: int | None = None) -> int:
         """W, the bytes of one chunk (given with a row layout), after checking the wire buffer holds k chunks."""
-        what = f"wire_bytes({n})" if W is None else f"wire_bytes({n}, segments)"
+        seg = W is not None
         W = self.wire_bytes(n) if W is None else W
         if wire.dtype != torch.uint8 or wire.numel() != k * W or not wire.is_contiguous():
+            what = f"wire_bytes({n}, segments)" if seg else f"wire_bytes({n})"
             raise ValueError(f"wire must be a contiguous uint8 tensor of {k} x {what} = {k * W} bytes, "
                              f"got {wire.numel()} {wire.dtype}{'' if wire.is_contiguous() else ' (non-contiguous)'}")
         return W
@@ -595,6 +596,19 @@ class BlockCodec:
 
     def _seg_wire_bytes(self, n: int, lay: _Layout) -> int:
         return self.padded_payload_bytes(n) + 4 * lay.rows(n) * lay.nbr
+
+    def _seg_decode(self, wire: Tensor, k: int, n: int, lay: _Layout, W: int, out: Tensor, sum_rows: bool) -> None:
+        """decode_wire / decode_wire_sum with a row layout, on a checked wire buffer (W bytes a chunk) and output."""
+        P4 = self.padded_payload_bytes(n)
+        lib = _cpu_lib(wire, out.dtype)
+        if lib is not None:
+            self._c_decode_seg(lib, wire.data_ptr(), W, wire.data_ptr() + P4, k, n, lay, out, sum_rows)
+        elif (tk := _gpu_lib(wire, wire)) is not None:
+            (tk.decode_wire_sum_seg if sum_rows else tk.decode_wire_seg)(self, wire, k, n, out.view(-1), lay)
+        else:
+            pay, sc, _ = self._wire_views(wire, k, n, W)
+            self._ref_decode_rows(pay, sc, k, n, None if sum_rows else out.view(-1), out.view(-1) if sum_rows else None,
+                                  lay)
 
     def encode_wire(self, x: Tensor, k: int, out: Tensor | None = None, order: Order = None,
                     segments: Segments | None = None) -> Tensor:
@@ -659,21 +673,16 @@ class BlockCodec:
             raise ValueError(f"out must hold {k * n} float32, bfloat16 or float16 values on {wire.device}, "
                              f"got {out.numel()} {out.dtype} on {out.device}")
         target = out if out.is_contiguous() else torch.empty(k * n, dtype=out.dtype, device=out.device)
-        lib = _cpu_lib(wire, out.dtype)
-        if lib is not None:
+        if lay is not None:
+            self._seg_decode(wire, k, n, lay, W, target, False)
+        elif (lib := _cpu_lib(wire, out.dtype)) is not None:
             base = wire.data_ptr()
-            if lay is None:
-                self._c_decode(lib, base, W, base + self.padded_payload_bytes(n), W, k, n, target, False)
-            else:
-                self._c_decode_seg(lib, base, W, base + self.padded_payload_bytes(n), k, n, lay, target, False)
+            self._c_decode(lib, base, W, base + self.padded_payload_bytes(n), W, k, n, target, False)
         elif (tk := _gpu_lib(wire, wire)) is not None:
-            if lay is None:
-                tk.decode_wire(self, wire, k, n, target.view(-1))
-            else:
-                tk.decode_wire_seg(self, wire, k, n, target.view(-1), lay)
+            tk.decode_wire(self, wire, k, n, target.view(-1))
         else:
-            pay, sc, _ = self._wire_views(wire, k, n, W)
-            self._ref_decode_rows(pay, sc, k, n, target.view(-1), None, lay)
+            pay, sc, _ = self._wire_views(wire, k, n)
+            self._ref_decode_rows(pay, sc, k, n, target.view(-1), None)
         if target is not out:
             out.copy_(target.view(out.shape))
         return out
@@ -688,21 +697,16 @@ class BlockCodec:
             out = torch.empty(n, dtype=torch.float32, device=wire.device)
         if out.numel() != n or out.dtype != torch.float32 or not out.is_contiguous() or out.device != wire.device:
             raise ValueError(f"out must be a contiguous float32 tensor of {n} values on {wire.device}")
-        lib = _cpu_lib(wire, torch.float32)
-        if lib is not None:
+        if lay is not None:
+            self._seg_decode(wire, k, n, lay, W, out, True)
+        elif (lib := _cpu_lib(wire, torch.float32)) is not None:
             base = wire.data_ptr()
-            if lay is None:
-                self._c_decode(lib, base, W, base + self.padded_payload_bytes(n), W, k, n, out, True)
-            else:
-                self._c_decode_seg(lib, base, W, base + self.padded_payload_bytes(n), k, n, lay, out, True)
+            self._c_decode(lib, base, W, base + self.padded_payload_bytes(n), W, k, n, out, True)
         elif (tk := _gpu_lib(wire, wire)) is not None:
-            if lay is None:
-                tk.decode_wire_sum(self, wire, k, n, out.view(-1))
-            else:
-                tk.decode_wire_sum_seg(self, wire, k, n, out.view(-1), lay)
+            tk.decode_wire_sum(self, wire, k, n, out.view(-1))
         else:
-            pay, sc, _ = self._wire_views(wire, k, n, W)
-            self._ref_decode_rows(pay, sc, k, n, None, out.view(-1), lay)
+            pay, sc, _ = self._wire_views(wire, k, n)
+            self._ref_decode_rows(pay, sc, k, n, None, out.view(-1))
         return out
 
 

@@ -82,7 +82,23 @@ def find_units(model: nn.Module, wrap: WrapPolicy) -> list[UnitSpec]:
                 seen.add((id(m), n))
                 pairs.append((m, n))
         units[index].params.append((param, pairs, names))
+    _narrow_root(model, units[0], uses)
     return units
+
+
+def _narrow_root(model: nn.Module, root: UnitSpec, uses: dict) -> None:
+    """Hook the root unit on the innermost module that holds all of its parameters' uses, not on the model.
+
+    Wrappers call into their inner model directly (``PeftModel.generate`` runs the base model's forward), so the
+    unit that owns the embeddings and the head must gather when that inner model runs, however it is entered.
+    """
+    mine = {id(param) for param, _, _ in root.params}
+    paths = [mpath for key, (_, _, _, mpaths) in uses.items() if key in mine for mpath in mpaths]
+    if not paths:
+        return
+    common = _common_prefix(paths)
+    if common:
+        root.path, root.module = common, model.get_submodule(common)
 
 
 def _common_prefix(paths: list[str]) -> str:
