@@ -536,9 +536,9 @@ def test_segments_keep_a_small_tensor_beside_a_large_one(backend: str) -> None:
     for r in range(rows):
         amax = float(small_x[r].abs().max())
         err = (small_x[r] - small_dec[r]).abs()
-        assert float(err.max()) <= amax / 14 * (1 + 1e-6), r  # half a step of its own scale, amax / 7
+        assert float(err.max()) <= amax / 14 * (1 + 1e-5), r  # half a step of its own scale, amax / 7
         assert float(err.norm() / small_x[r].norm()) < 0.2
-    assert float((seg - x).abs().max()) <= float(x.abs().max()) / 14 * (1 + 1e-6)
+    assert float((seg - x).abs().max()) <= float(x.abs().max()) / 14 * (1 + 1e-5)
 
 
 def test_segment_sizes() -> None:
