@@ -193,6 +193,22 @@ class FlatGroup:
             out.copy_(layout.band(0, self.W).real(padded))
 
     @torch.no_grad()
+    def full_param(self, index: int) -> torch.Tensor:
+        """One parameter's full value on every rank, in the masters' dtype: one all-gather of its column
+        block, no copy of the whole group (what re-initialising a module one at a time needs)."""
+        layout, n = self.layouts[index], self.slots(self.level)
+        b = layout.band(self.first_slot(self.level), n)
+        local = self.master_local(index)
+        if b.index is None and b.length == b.padded:
+            block = local.reshape(-1)
+        else:
+            block = torch.empty(b.padded, layout.row, dtype=self.master_dtype, device=self.device)
+            b.pad_into(local, block)
+        gathered = torch.empty(self.W * layout.cols, dtype=self.master_dtype, device=self.device)
+        C.all_gather(gathered, block.reshape(-1), self.group(0, self.level), self.topo, "state_dict")
+        return layout.band(0, self.W).real(gathered.view(self.W * layout.rows, layout.row))
+
+    @torch.no_grad()
     def full_values(self, rank0_only: bool = False) -> list[torch.Tensor]:
         """Every parameter's full fp32 value: one all-gather of the masters for the group, or with
         ``rank0_only`` one gather to rank 0 (the other ranks get an empty list and hold nothing more)."""

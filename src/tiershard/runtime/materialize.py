@@ -101,7 +101,7 @@ def _open(module: nn.Module, where: dict, device: torch.device, dtypes: dict[int
         group, index = where[id(master)]
         dtype = dtypes.get(id(master), master.dtype)
         if from_masters:
-            tensor = master.detach().full_tensor().to(dtype)
+            tensor = group.full_param(index).to(dtype)
         else:
             tensor = torch.empty(master.shape, dtype=dtype, device=device)
         full[name] = (id(master), tensor)
