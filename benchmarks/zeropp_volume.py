@@ -26,7 +26,7 @@ def main() -> None:
     results = run_local(cross_node_volume, args.ranks, args.plans.split(","))[0]
     print(f"{args.ranks} ranks, {args.ranks // 2} nodes of 2, bf16, one micro-step per optimizer step")
     print(f"{'plan':<18}{'measured / M':>14}{'formula / M':>14}")
-    for plan, (measured, closed) in results.items():
+    for plan, (measured, closed, _) in results.items():
         print(f"{plan:<18}{measured:>14.4f}{closed:>14.4f}")
     z3, zpp = results.get("zero3"), results.get("zero++")
     if z3 and zpp:

@@ -6,7 +6,8 @@ import torch.distributed as dist
 
 
 def cross_node_volume(rank: int, world: int, plans: list[str], ranks_per_node: int = 2) -> dict:
-    """Per plan: (measured, closed form) world-tier bytes summed over ranks / nodes / M. Runs on every rank."""
+    """Per plan: (measured, closed form) world-tier bytes summed over ranks / nodes / M, and the root unit's share
+    of M (the root stays gathered for its backward, so ZeRO-3 moves (3 - share) (n-1)/n). Runs on every rank."""
     import tiershard as ts
     from tiershard import traffic
     from tiershard.models import GPT, Block, gpt_config
@@ -30,5 +31,6 @@ def cross_node_volume(rank: int, world: int, plans: list[str], ranks_per_node: i
         M = sum(g.S for g in engine.groups()) * 2
         shapes = engine.flat_shapes()
         closed = traffic.total_traffic(traffic.step_collectives(engine.placement, shapes, 2, 2), topo)
-        out[plan] = (measured.item() / nodes / M, closed.get("world", 0) / nodes / M)
+        root = sum(g.S for g in engine.root.groups) * 2 / M
+        out[plan] = (measured.item() / nodes / M, closed.get("world", 0) / nodes / M, root)
     return out

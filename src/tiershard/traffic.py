@@ -20,7 +20,8 @@ level ``L`` and top = world:
 
 With qwz every parameter gather moves the int8 encodings of the d(p) chunks (payload plus fp32 scales) instead
 of param bytes. With qgz every reduce-scatter from level a to b becomes one all-to-all per tier between them
-(see [Note: qgZ hops] in comm/quantized.py), each of the encodings of its input's slots. With cc every other
+(see [Note: qgZ hops] in comm/quantized.py), each of the encodings of its input's slots, with blocks cut along
+the parameters of each row (``FlatGroupShape.columns``). With cc every other
 collective that spans several tiers runs as one phase per tier (comm/hierarchical.py): a reduce-scatter
 innermost tier first, an all-gather outermost first, an all-reduce both.
 """
@@ -56,6 +57,7 @@ class FlatGroupShape:
     trainable: bool
     forward_calls: int = 1
     backward: bool = True   # the unit gathers again for backward (not the root, which stays gathered)
+    columns: tuple[int, ...] = ()   # the parameters' widths in a row (qgZ's blocks never span two); () = unknown
 
 
 def group_collectives(pl: "Placement", shape: FlatGroupShape, param_bytes: int, reduce_bytes: int,
@@ -72,7 +74,8 @@ def group_collectives(pl: "Placement", shape: FlatGroupShape, param_bytes: int, 
         hops = []
         for k in range(inner + 1, outer + 1):
             slots = d(k) // d(k - 1)
-            hops.append(Collective(op, "all_to_all", k - 1, k, slots * qgz.wire_bytes(S // d(k)), count))
+            wire = qgz.wire_bytes(S // d(k), shape.columns or None)
+            hops.append(Collective(op, "all_to_all", k - 1, k, slots * wire, count))
         return hops
 
     if pl.p > 0:
@@ -161,7 +164,7 @@ def module_shapes(model, wrap=None, chunking: Sequence[int] = (1, 1),
     (``Topology.chunking(placement.p)``; default the same). A unit other than the root is assumed to gather
     again for backward when it has trainable parameters (as ``Engine.flat_shapes`` says).
     """
-    from .runtime.layout import padded_unit_numel
+    from .runtime.layout import padded_unit_numel, unit_columns
     from .runtime.wrap import find_units
 
     shapes = []
@@ -173,5 +176,6 @@ def module_shapes(model, wrap=None, chunking: Sequence[int] = (1, 1),
             if groups[trainable]:
                 cut = chunking if trainable or frozen_chunking is None else frozen_chunking
                 shapes.append(FlatGroupShape(padded_unit_numel(groups[trainable], cut), trainable,
-                                             backward=index > 0 and bool(groups[True])))
+                                             backward=index > 0 and bool(groups[True]),
+                                             columns=unit_columns(groups[trainable], cut)))
     return shapes

@@ -8,7 +8,8 @@ the encodings of several chunks concatenate and one collective moves payload and
 innermost first. Before the hop over tier ``k`` a rank holds the partial sum of its level-``k-1`` chunk; it cuts
 that chunk into the slots of its tier-``k`` cross group, quantizes each slot once (straight into the all-to-all
 input, in member order), sends slot ``i`` to the member owning it, then decodes what it receives and sums in
-fp32 in the same pass. After the last hop it holds exactly its level-``b`` chunk: the ownership map is the
+fp32 in the same pass. Blocks follow the parameters of each row (``segments``), never spanning two. After the
+last hop it holds exactly its level-``b`` chunk: the ownership map is the
 "slice reordering" of ZeRO++, so no data is permuted. Error feedback (``+ef``) adds each hop's quantization
 residual of the previous reduction to the next one before quantizing.
 """
@@ -62,8 +63,11 @@ class QuantizedReduceScatter:
         self.residuals: dict[tuple, torch.Tensor] = {}
 
     def __call__(self, full: torch.Tensor, hops: list["TierGroup"], topology: "Topology", op: str,
-                 key: object = None) -> torch.Tensor:
-        """Sum ``full`` (this rank's level-``a`` chunk) over the hops; returns this rank's fp32 level-``b`` chunk."""
+                 key: object = None, segments: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Sum ``full`` (this rank's level-``a`` chunk) over the hops; returns this rank's fp32 level-``b`` chunk.
+
+        ``segments``: the parameters' widths in a row of the slot-major buffer, so that no quantization block
+        spans two parameters (a norm's gain never shares a scale with a weight matrix)."""
         buf = full.to(torch.float32)
         for index, group in enumerate(hops):
             if group.size == 1:
@@ -72,20 +76,21 @@ class QuantizedReduceScatter:
                 residual = self.residuals.get((key, index))
                 if residual is not None:
                     buf = buf + residual
-            buf = self._hop(buf, group, topology, op, (key, index))
+            buf = self._hop(buf, group, topology, op, (key, index), segments)
         return buf
 
-    def _hop(self, buf: torch.Tensor, group: "TierGroup", topology: "Topology", op: str, ef_key) -> torch.Tensor:
+    def _hop(self, buf: torch.Tensor, group: "TierGroup", topology: "Topology", op: str, ef_key,
+             segments: tuple[int, ...] | None) -> torch.Tensor:
         codec, k = self.codec, group.size
         n = buf.numel() // k
         order = C._slot_index(group, buf.device)          # input row i goes to member i, who owns slot slots[i]
-        wire = codec.encode_wire(buf, k, order=order)
+        wire = codec.encode_wire(buf, k, order=order, segments=segments)
         if self.error_feedback:
-            sent = codec.decode_wire(wire, k, n).view(k, n)
+            sent = codec.decode_wire(wire, k, n, segments=segments).view(k, n)
             residual = buf.clone().view(k, n)
             residual.index_copy_(0, order, buf.view(k, n).index_select(0, order) - sent)
             self.residuals[ef_key] = residual.view(-1)
         received = torch.empty_like(wire)
         dist.all_to_all_single(received, wire, group=group.pg)
         LEDGER.record(op, "all_to_all", group.ranks, wire.numel(), topology.rank, topology)
-        return codec.decode_wire_sum(received, k, n)
+        return codec.decode_wire_sum(received, k, n, segments=segments)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from ..comm.volume import rank_bytes
 from ..plan import Placement
-from ..runtime.layout import padded_unit_numel
+from ..runtime.layout import padded_unit_numel, unit_columns
 from ..topology import Topology
 from ..traffic import Collective, FlatGroupShape, group_collectives
 from .specs import Cluster, Job, ModelSpec
@@ -59,7 +59,9 @@ def unit_shapes(model: ModelSpec, job: Job, chunking: tuple[int, ...],
             if shapes:
                 backward = bool(trainable) and not root
                 cut = chunking if grad or frozen_chunking is None else frozen_chunking
-                out.append((FlatGroupShape(padded_unit_numel(shapes, cut), grad, backward=backward), units))
+                columns = unit_columns(shapes, cut) if model.param_shapes else ()
+                out.append((FlatGroupShape(padded_unit_numel(shapes, cut), grad, backward=backward, columns=columns),
+                            units))
     return out
 
 

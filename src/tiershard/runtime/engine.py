@@ -221,7 +221,8 @@ class Engine:
         from ..traffic import FlatGroupShape
 
         return [FlatGroupShape(group.S, group.trainable, backward=unit is not self.root and any(
-                    g.trainable for g in unit.groups)) for unit in self.units for group in unit.groups]
+                    g.trainable for g in unit.groups), columns=tuple(group.cols))
+                for unit in self.units for group in unit.groups]
 
     def settle(self) -> None:
         """Outside backward, undo what a backward that raised left behind: working tensors shown in the module,

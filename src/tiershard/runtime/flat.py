@@ -77,6 +77,7 @@ class FlatGroup:
         self.U = plan_columns(self.layouts)
         self.S = self.W * self.U
         self.cols = [layout.cols for layout in self.layouts]
+        self.segments = tuple(self.cols)        # the row layout qgZ's blocks follow
         # masters: fp32 at level os for trainable parameters; frozen ones are kept only as what compute needs,
         # param_dtype at level p (no fp32 copy, no gradient, no optimizer state)
         self.level = placement.os if trainable else placement.p
@@ -384,7 +385,7 @@ class FlatGroup:
         """Sum over the (inner -> outer) group, keeping this rank's level-``outer`` chunk; qgz goes tier by tier."""
         if self.qgz is not None:
             hops = [self.group(k - 1, k) for k in range(inner + 1, outer + 1)]
-            return self.qgz(buf, hops, self.topo, op, key=(inner, outer))
+            return self.qgz(buf, hops, self.topo, op, key=(inner, outer), segments=self.segments)
         if self.cc:
             return H.reduce_scatter(buf, inner, outer, self._hop, self.topo, op)
         out = torch.empty(self.S // self.size(outer), dtype=buf.dtype, device=self.device)

@@ -137,15 +137,14 @@ def plan_columns(layouts: Sequence[ParamLayout]) -> int:
     return offset
 
 
+def unit_columns(shapes: Sequence[Sequence[int]], chunking: Sequence[int]) -> tuple[int, ...]:
+    """Each parameter's width in the unit's (slots x U) matrix, for parameters of these shapes cut by
+    ``chunking`` (``Topology.chunking``): the row layout qgZ's blocks follow, and ``U`` is their sum."""
+    return tuple(finest_chunks(shape[0], chunking)[0][1] * math.prod(shape[1:]) for shape in map(tuple, shapes)
+                 if shape)
+
+
 def padded_unit_numel(shapes: Sequence[Sequence[int]], chunking: Sequence[int]) -> int:
-    """``S`` = slots x U for parameters of these shapes cut by ``chunking`` (``Topology.chunking``): what every
-    flat buffer of the unit is cut from."""
-    world = math.prod(chunking)
-    total = 0
-    for shape in shapes:
-        shape = tuple(shape)
-        if not shape:
-            continue
-        rows = finest_chunks(shape[0], chunking)[0][1]
-        total += world * rows * math.prod(shape[1:])
-    return total
+    """``S`` = slots x U for parameters of these shapes cut by ``chunking``: what every flat buffer of the unit
+    is cut from."""
+    return math.prod(chunking) * sum(unit_columns(shapes, chunking))
