@@ -82,6 +82,7 @@ class Topology:
         self._groups: dict[tuple[int, int, int], TierGroup] = {}
         self._initialised = False
         self._mesh = None
+        self._stream = None
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -258,9 +259,7 @@ class Topology:
                     if ranks not in made:
                         if len(ranks) == 1:
                             made[ranks] = None
-                        elif len(ranks) == world:
-                            made[ranks] = dist.group.WORLD
-                        else:
+                        else:     # the world too: the engine's collectives never share the user's group
                             made[ranks] = dist.new_group(list(ranks))
                     pg = made[ranks]
                     if me in ranks:
@@ -272,6 +271,16 @@ class Topology:
         from torch.distributed.device_mesh import DeviceMesh
 
         return DeviceMesh(device_type, self._grid(), mesh_dim_names=self.names)
+
+    def comm_stream(self):
+        """The FIFO every collective of this topology's groups runs through ([Note: one ordered stream])."""
+        if self._stream is None:
+            from .comm.stream import CommStream
+            import torch
+
+            self._stream = CommStream(torch.device(self.mesh.device_type, torch.cuda.current_device())
+                                      if self.mesh.device_type == "cuda" else torch.device("cpu"))
+        return self._stream
 
     @property
     def rank(self) -> int:

@@ -37,7 +37,7 @@ logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_NestedSha
 def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPolicy = None,
           param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
           qwz_eval: bool = False, init: InitFn | None = None,
-          device: torch.device | str | None = None) -> nn.Module:
+          device: torch.device | str | None = None, prefetch: int = 1) -> nn.Module:
     """Shard ``model`` in place by ``plan`` over ``topology`` and return it.
 
     ``wrap``: module classes, class names or a predicate; each matching module is a unit (gathered and released
@@ -46,7 +46,9 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
     states are fp32 DTensors with the parameters' names and shapes; frozen parameters (``requires_grad=False``)
     are kept only in ``param_dtype`` at level p. Every rank starts from rank 0's weights and buffers. The
     model's device decides where every buffer lives. ``qwz_eval``: with qwZ, forwards under ``torch.no_grad()``
-    (evaluation, ``generate()``) gather exact weights unless this is True.
+    (evaluation, ``generate()``) gather exact weights unless this is True. ``prefetch``: units whose gathers are
+    issued ahead (forward order, reversed for backward) while the current one computes; reductions run behind
+    backward on the communication stream; 0 runs every collective in place (the synchronous schedule).
 
     A model built under ``torch.device("meta")`` is materialised shard by shard on ``device`` (default: the
     current CUDA device under NCCL, else the CPU): each module's ``reset_parameters()`` and then ``init(module)``
@@ -78,7 +80,9 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
         _broadcast_buffers(model)
     dtypes = {}
 
-    engine = Engine(model, placement, param_dtype, reduce_dtype, device, qwz_eval)
+    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+        raise ValueError(f"prefetch={prefetch!r} must be a non-negative integer (units gathered ahead; 0 = none)")
+    engine = Engine(model, placement, param_dtype, reduce_dtype, device, qwz_eval, prefetch)
     for spec in specs:
         groups = []
         for trainable in (True, False):

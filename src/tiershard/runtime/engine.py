@@ -103,8 +103,15 @@ class Unit:
 
     def gather(self, op: str, exact: bool = False) -> None:
         for group in self.groups:
-            group.gather(op, exact)
+            group.gather_start(op, exact)
+        for group in self.groups:
+            group.gather_finish()
         self._show(working=True)
+
+    def prefetch(self, op: str, exact: bool = False) -> None:
+        """Issue this unit's gather now; the unit waits for it when it runs."""
+        for group in self.groups:
+            group.gather_start(op, exact)
 
     def release(self) -> None:
         self._show(working=False)
@@ -119,6 +126,8 @@ class Unit:
         exact = not self.engine.qwz_eval and not torch.is_grad_enabled()
         with torch.profiler.record_function(f"tiershard::gather[{self.path}]"):
             self.gather("param_gather", exact)
+        if not in_backward:
+            self.engine.prefetch_forward(self, exact)
         if self is self.engine.root and self.engine.cast_dtype is not None:
             cast = self.engine.cast_dtype
             args, kwargs = _map_tensors(lambda t: t.to(cast) if t.is_floating_point() else t, (args, kwargs))
@@ -153,6 +162,7 @@ class Unit:
         self.engine.backward_started()
         with torch.profiler.record_function(f"tiershard::gather_backward[{self.path}]"):
             self.gather("param_gather_backward")
+        self.engine.prefetch_backward(self)
         return None
 
     def _grad_hook(self, index: int):
@@ -167,9 +177,9 @@ class Unit:
     def reduce(self, index: int) -> None:
         group = self.groups[index]
         with torch.profiler.record_function(f"tiershard::reduce[{self.path}]"):
-            group.reduce_micro_step(boundary=self.engine.sync_grads)
-            if self.engine.sync_grads:
-                group.sync_grads()
+            group.reduce(boundary=self.engine.sync_grads)
+            if not self.engine.overlap:
+                self.engine.stream.drain()
         self.reduced[index] = True
         # without a gradient to its inputs, the unit's backward is over once its parameters have theirs
         if not self.awaits_post_backward and all(r or not g.trainable for r, g in zip(self.reduced, self.groups)):
@@ -196,13 +206,18 @@ class Engine:
     """The sharding state of one model: its units, placement, precision and the backward in flight."""
 
     def __init__(self, model: nn.Module, placement: "Placement", param_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype, device: torch.device, qwz_eval: bool = False):
+                 reduce_dtype: torch.dtype, device: torch.device, qwz_eval: bool = False, prefetch: int = 1):
         self.model_ref = weakref.ref(model)
         self.qwz_eval = qwz_eval
+        self.prefetch = prefetch            # units gathered ahead; 0: nothing overlaps (the synchronous schedule)
+        self.overlap = prefetch > 0
+        self.order: list[Unit] = []         # units in the order this forward first ran them
+        self.last_order: list[Unit] = []    # ... and the previous forward's, which the next one will follow
         self.placement, self.topology = placement, placement.topology
         self.param_dtype, self.reduce_dtype, self.device = param_dtype, reduce_dtype, device
         self.cast_dtype = param_dtype if param_dtype != torch.float32 else None
         self.units: list[Unit] = []
+        self.stream = placement.topology.comm_stream()
         self.sync_grads = True
         self._backward_queued = False
         _ENGINES.append(weakref.ref(self))
@@ -230,6 +245,7 @@ class Engine:
         forward, by state_dict hooks and by the ts functions, so the module shows its masters again."""
         if not self._backward_queued or _in_backward():
             return
+        self.stream.drain()
         for u in self.units:
             u.reset()
             for group in u.groups:
@@ -250,6 +266,26 @@ class Engine:
             if group.stale:
                 group.sync_params()
 
+    def prefetch_forward(self, unit: Unit, exact: bool) -> None:
+        """Record the forward order; issue the gathers of the units that followed this one last time."""
+        if unit is self.root:
+            if self.order:
+                self.last_order = self.order
+            self.order = []
+        if unit not in self.order:
+            self.order.append(unit)
+        if self.prefetch and unit in self.last_order:
+            i = self.last_order.index(unit)
+            for later in self.last_order[i + 1:i + 1 + self.prefetch]:
+                later.prefetch("param_gather", exact)
+
+    def prefetch_backward(self, unit: Unit) -> None:
+        """Issue the gathers of the units whose backward comes next: this forward's order, reversed."""
+        if self.prefetch and unit in self.order:
+            i = self.order.index(unit)
+            for earlier in reversed(self.order[max(0, i - self.prefetch):i]):
+                earlier.prefetch("param_gather_backward")
+
     def backward_started(self) -> None:
         if not self._backward_queued:
             self._backward_queued = True
@@ -258,6 +294,7 @@ class Engine:
     def _end_backward(self) -> None:
         for unit in self.units:
             unit.end_backward()
+        self.stream.drain()          # every reduction has landed in the masters' gradients
         self._backward_queued = False
 
     def sync_stepped(self, stepped: set[int]) -> None:

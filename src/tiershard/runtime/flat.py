@@ -108,6 +108,9 @@ class FlatGroup:
                                           plan.qgz.endswith("+ef")) if plan.qgz else None
         self._encoded_p = None         # (weights version, wire): the qwz encoding of p_shard, reused until it changes
         self.cc = plan.cc
+        self.stream = topo.comm_stream()
+        self._gathering = None         # (future of the gathered matrix, exact): a gather in flight
+        self._reducing = None          # future of this group's last reduction
         self.weights_version = 0
         self.gathered_version = -1     # weights version the working tensors hold
         self.sync_params()
@@ -197,6 +200,7 @@ class FlatGroup:
     def full_param(self, index: int) -> torch.Tensor:
         """One parameter's full value on every rank, in the masters' dtype: one all-gather of its column
         block, no copy of the whole group (what re-initialising a module one at a time needs)."""
+        self.stream.drain()
         layout, n = self.layouts[index], self.slots(self.level)
         b = layout.band(self.first_slot(self.level), n)
         local = self.master_local(index)
@@ -213,6 +217,7 @@ class FlatGroup:
     def full_values(self, rank0_only: bool = False) -> list[torch.Tensor]:
         """Every parameter's full fp32 value: one all-gather of the masters for the group, or with
         ``rank0_only`` one gather to rank 0 (the other ranks get an empty list and hold nothing more)."""
+        self.stream.drain()
         band = self._pack_masters(torch.float32)
         group = self.group(0, self.level)
         if rank0_only and 0 not in group.ranks:
@@ -231,6 +236,8 @@ class FlatGroup:
     @torch.no_grad()
     def sync_params(self) -> None:
         """Bring the masters back to the parameter level p; drop every derived copy."""
+        self.stream.drain()
+        self._gathering = None
         pl = self.pl
         self.weights_version += 1
         self.hpz.clear()
@@ -256,10 +263,15 @@ class FlatGroup:
         for m in self.masters:
             m.__dict__.pop("_tiershard_touched", None)
 
-    @torch.no_grad()
-    def gather(self, op: str, exact: bool = False) -> None:
-        """Fill the working tensors from the finest valid copy: an hpz band of the current weights, else the
-        level-p band. ``exact``: skip qwZ and the hpz bands (forwards under no_grad, when asked for)."""
+    def gather_start(self, op: str, exact: bool = False) -> None:
+        """Issue the gather of the working weights on the stream (a prefetch when nobody waits for it yet):
+        from the finest valid copy, an hpz band of the current weights, else the level-p band. ``exact``: skip
+        qwZ and the hpz bands (forwards under no_grad, when asked for)."""
+        if self._gathering is not None:
+            if self._gathering[1] == exact:
+                return
+            self._gathering[0].result()            # a prefetch of the other kind: let it finish, unused
+            self._gathering = None
         if self.gathered_version == self.weights_version and not exact:
             return
         pl = self.pl
@@ -271,6 +283,30 @@ class FlatGroup:
                 break
         if level == pl.p and source is None:
             source = self._pack_masters(self.param_dtype)
+        future = self.stream.submit(self._gather_matrix, op, exact, level, source, self.weights_version)
+        self._gathering = (future, exact)
+
+    def gather_finish(self) -> None:
+        """Wait for the gather in flight, if any, and copy it out into the working tensors."""
+        if self._gathering is None:
+            return
+        (future, exact), self._gathering = self._gathering, None
+        full, version = future.result()
+        if not self.allocated:
+            for w in self.working:
+                w.untyped_storage().resize_(w.numel() * w.element_size())
+            self.allocated = True
+        self._copy_out(full)
+        self.gathered_version = -1 if exact else version    # an exact copy is not reused
+
+    @torch.no_grad()
+    def gather(self, op: str, exact: bool = False) -> None:
+        self.gather_start(op, exact)
+        self.gather_finish()
+
+    def _gather_matrix(self, op: str, exact: bool, level: int, source: torch.Tensor, version: int):
+        """(On the stream.) The whole (slots x U) matrix of the weights, and the hpz bands it leaves behind."""
+        pl = self.pl
         full = torch.empty(self.S, dtype=self.param_dtype, device=self.device)
         encoded = None
         if self.qwz is None or exact:
@@ -278,20 +314,15 @@ class FlatGroup:
         else:
             chunks, numel = self.size(pl.p), self.S // self.size(pl.p)
             if level == pl.p:
-                if self._encoded_p is None or self._encoded_p[0] != self.weights_version:
-                    self._encoded_p = (self.weights_version, self.qwz.encode(source))
+                if self._encoded_p is None or self._encoded_p[0] != version:
+                    self._encoded_p = (version, self.qwz.encode(source))
                 source = self._encoded_p[1]
             encoded = self.qwz.gather(source, self.group(0, level), chunks, numel, self.topo, op)
             self.qwz.decode(encoded, chunks, numel, out=full)
         for h in () if exact else pl.hpz:
-            if self.hpz.get(h, (None,))[0] != self.weights_version:
-                self.hpz[h] = (self.weights_version, self._hpz_band(h, full, encoded))
-        if not self.allocated:
-            for w in self.working:
-                w.untyped_storage().resize_(w.numel() * w.element_size())
-            self.allocated = True
-        self._copy_out(full)
-        self.gathered_version = -1 if exact else self.weights_version    # an exact copy is not reused
+            if self.hpz.get(h, (None,))[0] != version:
+                self.hpz[h] = (version, self._hpz_band(h, full, encoded))
+        return full, version
 
     def _copy_out(self, full: torch.Tensor) -> None:
         self._split_full(full, self.aliases)
@@ -318,13 +349,16 @@ class FlatGroup:
 
     # ---- gradients: working .grad -> grad_acc (level g) -> master.grad (level os) ----------------
     @torch.no_grad()
-    def reduce_micro_step(self, boundary: bool) -> None:
-        """Reduce this micro-step's gradients to level g and accumulate them (pre-divided: the DDP mean).
+    def reduce(self, boundary: bool) -> None:
+        """Issue this micro-step's reduction: gradients to level g, accumulated (the DDP mean), and at the
+        boundary on to the masters' gradients at level os. The working gradients are interleaved here; the
+        collectives run on the stream while backward goes on.
 
         Off the boundary the masters get placeholder gradients so that zero_grad can be seen
-        (``discard_cleared_grads``); at the boundary ``sync_grads`` follows at once and makes the real ones."""
+        (``discard_cleared_grads``)."""
+        if self._reducing is not None:
+            self._reducing.result()        # the group's previous reduction reads and writes the same state
         self.discard_cleared_grads()
-        pl = self.pl
         pieces = []
         for layout, w in zip(self.layouts, self.working):
             grad, w.grad = w.grad, None
@@ -338,6 +372,11 @@ class FlatGroup:
                 pieces.append(padded.view(-1))
         full = torch.empty(self.S, dtype=self.reduce_dtype, device=self.device)
         _chunk_cat(pieces, self.W, full)
+        self._reducing = self.stream.submit(self._reduce_matrix, full, boundary)
+
+    def _reduce_matrix(self, full: torch.Tensor, boundary: bool) -> None:
+        """(On the stream.) Reduce-scatter to level g, accumulate, and at the boundary finish at level os."""
+        pl = self.pl
         # the DDP mean: divide by the world size before an fp16 sum can overflow, else while accumulating
         early = self.reduce_dtype == torch.float16
         if early:
@@ -351,7 +390,9 @@ class FlatGroup:
         else:
             self.grad_acc.add_(reduced, alpha=scale)
         self.grad_pending = True
-        if not boundary:
+        if boundary:
+            self._sync_grads()
+        else:
             self._mark_grads()
 
     def discard_cleared_grads(self) -> None:
@@ -408,10 +449,8 @@ class FlatGroup:
         else:
             C.all_reduce(buf, self.group(inner, outer), self.topo, op)
 
-    @torch.no_grad()
-    def sync_grads(self) -> None:
+    def _sync_grads(self) -> None:
         """At the accumulation boundary: finish the reduction over the world, at level os, into the masters' grads."""
-        self.discard_cleared_grads()
         pl, top = self.pl, self.topo.num_levels - 1
         buf = self.grad_acc.to(self.reduce_dtype)
         if pl.g < pl.os:

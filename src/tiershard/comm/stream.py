@@ -1,0 +1,75 @@
+"""A communication stream: the engine's collectives, run in issue order on one background thread.
+
+[Note: one ordered stream] Every rank must issue the collectives of a process group in the same order. The
+engine submits all of its collectives to one FIFO, run by one thread per topology, so their order is the order
+the main thread submitted them in, which follows the model's control flow and is the same on every rank. The
+main thread goes on computing meanwhile (torch and gloo release the GIL), and waits on a future only when it
+needs the result: a prefetched unit's weights, or every reduction at the end of backward. Anything the engine
+runs on the main thread drains the stream first. The engine's process groups are its own (``Topology``), so
+the user's collectives never interleave with them.
+
+On CUDA the thread waits for the work submitted before it (an event recorded on the submitting stream), runs
+on a stream of its own, and finishes with a host sync of that stream: the main thread never blocks on the
+device, and a buffer handed back is complete. ``inline=True`` runs everything on the caller's thread at
+submission: the synchronous schedule, the reference the overlapped one must match bit for bit.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+
+
+class CommStream:
+    """A FIFO of collectives for one topology (see [Note: one ordered stream])."""
+
+    def __init__(self, device: torch.device, inline: bool = False):
+        self.device, self.inline = device, inline
+        self._pool = None if inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiershard-comm")
+        self._cuda = torch.cuda.Stream(device) if device.type == "cuda" and not inline else None
+        self._pending: list[Future] = []
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run ``fn(*args)`` after everything submitted before; returns its future."""
+        if self.inline:
+            future: Future = Future()
+            try:
+                with torch.no_grad():
+                    future.set_result(fn(*args))
+            except BaseException as err:       # surfaces at result(), as on the thread
+                future.set_exception(err)
+            return future
+        ready = None
+        if self._cuda is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        future = self._pool.submit(self._run, fn, args, ready)
+        self._pending = [f for f in self._pending if not f.done()]
+        self._pending.append(future)
+        return future
+
+    def _run(self, fn: Callable[..., Any], args: tuple, ready) -> Any:
+        with torch.no_grad():
+            if self._cuda is None:
+                return fn(*args)
+            torch.cuda.set_device(self.device)
+            self._cuda.wait_event(ready)
+            with torch.cuda.stream(self._cuda):
+                result = fn(*args)
+            self._cuda.synchronize()
+            return result
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in stream order, waited for."""
+        return self.submit(fn, *args).result()
+
+    def drain(self) -> None:
+        """Wait for everything submitted; raise the first failure."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
