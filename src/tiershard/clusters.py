@@ -114,7 +114,8 @@ TIER_KEYS = {"name", "size", "bandwidth", "latency", "all_to_all_bandwidth", "al
 
 def cluster_from_dict(table: Mapping[str, object], base: Cluster | None = None) -> Cluster:
     """A cluster from a ``[cluster]`` TOML table: ``preset``, ``tiers`` (list of tables), ``gpu_memory``,
-    ``peak_flops``; values may be numbers (SI) or strings with units."""
+    ``peak_flops``, and what ``tiershard probe`` measures: ``codec_rate`` (bytes/s), ``overlap`` (0..1); values
+    may be numbers (SI) or strings with units."""
     table = dict(table)
     if "preset" in table:
         base = preset(str(table.pop("preset")), table.get("gpus"))
@@ -138,6 +139,8 @@ def cluster_from_dict(table: Mapping[str, object], base: Cluster | None = None) 
         raise ValueError("the cluster needs tiers: give preset = '...' or [[cluster.tiers]] tables")
     memory = table.pop("gpu_memory", None)
     flops = table.pop("peak_flops", None)
+    codec_rate = table.pop("codec_rate", base.codec_rate if base else None)
+    overlap = table.pop("overlap", base.overlap if base else None)
     name = str(table.pop("name", base.name if base and tiers is base.tiers else "custom"))
     for ignored in ("gpus", "measured", "probe"):
         table.pop(ignored, None)
@@ -149,4 +152,6 @@ def cluster_from_dict(table: Mapping[str, object], base: Cluster | None = None) 
         raise ValueError("the cluster needs peak_flops (e.g. '312TFLOPS')")
     return Cluster(tiers=tuple(tiers), name=name,
                    gpu_memory=parse_bytes(memory) if memory is not None else base.gpu_memory,
-                   peak_flops=parse_flops(flops) if flops is not None else base.peak_flops)
+                   peak_flops=parse_flops(flops) if flops is not None else base.peak_flops,
+                   codec_rate=parse_bandwidth(codec_rate) if codec_rate is not None else None,
+                   overlap=float(overlap) if overlap is not None else None)

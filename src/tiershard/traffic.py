@@ -47,6 +47,7 @@ class Collective:
     outer: int
     nbytes: int
     count: int = 1
+    codec_bytes: int = 0    # bytes of values this rank's codec encodes and decodes (qwZ, qgZ); 0 = none
 
 
 @dataclass(frozen=True)
@@ -75,21 +76,23 @@ def group_collectives(pl: "Placement", shape: FlatGroupShape, param_bytes: int, 
         for k in range(inner + 1, outer + 1):
             slots = d(k) // d(k - 1)
             wire = qgz.wire_bytes(S // d(k), shape.columns or None)
-            hops.append(Collective(op, "all_to_all", k - 1, k, slots * wire, count))
+            # encode the hop's input, decode and sum what arrives: both its size, in fp32
+            hops.append(Collective(op, "all_to_all", k - 1, k, slots * wire, count, 2 * 4 * S // d(k - 1)))
         return hops
 
     if pl.p > 0:
         fwd = shape.forward_calls * micro_steps
         bwd = micro_steps if shape.backward else 0
         full = S * param_bytes if qwz is None else d(pl.p) * qwz.wire_bytes(S // d(pl.p))
+        codec = 0 if qwz is None else S * param_bytes     # decode the whole unit (its shard's encoding is cached)
         if pl.hpz:
             cached = min(pl.hpz)
-            out.append(Collective("param_gather", "all_gather", 0, pl.p, full, 1))
-            out.append(Collective("param_gather", "all_gather", 0, cached, full, fwd - 1))
-            out.append(Collective("param_gather_backward", "all_gather", 0, cached, full, bwd))
+            out.append(Collective("param_gather", "all_gather", 0, pl.p, full, 1, codec))
+            out.append(Collective("param_gather", "all_gather", 0, cached, full, fwd - 1, codec))
+            out.append(Collective("param_gather_backward", "all_gather", 0, cached, full, bwd, codec))
         else:
-            out.append(Collective("param_gather", "all_gather", 0, pl.p, full, fwd))
-            out.append(Collective("param_gather_backward", "all_gather", 0, pl.p, full, bwd))
+            out.append(Collective("param_gather", "all_gather", 0, pl.p, full, fwd, codec))
+            out.append(Collective("param_gather_backward", "all_gather", 0, pl.p, full, bwd, codec))
     if not shape.trainable:
         return out
     if pl.g > 0:

@@ -101,13 +101,16 @@ def worker(args: argparse.Namespace, sizes: list[int]) -> int:
             raise CliError(str(err)) from None
         rank = dist.get_rank()
         results = [measure_tier(topo, level, sizes, args, device) for level in range(1, topo.num_levels)]
+        device_rates = measure_device(topo, device)
         if rank == 0:
             memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-            Path(args.out).write_text(to_toml(topo, results, sizes, args, backend, memory))
+            Path(args.out).write_text(to_toml(topo, results, sizes, args, backend, memory, device_rates))
             print(f"tiershard probe: wrote {args.out}")
             for tier in results:
                 print(f"  {tier['name']:>8}: {tier['bandwidth'] / 1e9:.3g} GB/s per rank, "
                       f"{tier['latency'] * 1e6:.3g} us per step (all-to-all {tier['all_to_all_bandwidth'] / 1e9:.3g} GB/s)")
+            print(f"  compute {device_rates['peak_flops'] / 1e9:.3g} GFLOP/s per rank (matmul), codecs "
+                  f"{device_rates['codec_rate'] / 1e9:.3g} GB/s, overlap {device_rates['overlap']:.2f}")
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -154,6 +157,75 @@ def measure_tier(topo, level: int, sizes: list[int], args: argparse.Namespace, d
             "all_to_all_bandwidth": a2a_bandwidth, "all_to_all_latency": a2a_latency, "samples": samples}
 
 
+def _slowest(seconds: float, device) -> float:
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
+
+
+def measure_device(topo, device) -> dict:
+    """What the cost model needs besides the links, measured with every rank busy as in training:
+
+    - ``peak_flops``: the matmul rate one rank reaches (the training precision: bf16 on a GPU, fp32 on a CPU);
+    - ``codec_rate``: bytes of values per second through qgZ's int4 encode + decode-and-sum and qwZ's int8
+      encode + decode (the slower of the two);
+    - ``overlap``: how much of a matmul loop an all-gather on the engine's own communication stream hides
+      behind: (compute + comm - both at once) / the shorter of the two, in [0, 1].
+    """
+    import torch
+    import torch.distributed as dist
+
+    from ..comm import collectives as C
+    from ..comm.codecs import INT4, INT8
+
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    n = 4096 if cuda else 384
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def timed(fn, reps: int) -> float:
+        fn()
+        sync()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        return (time.perf_counter() - start) / reps
+
+    matmul = _slowest(timed(lambda: a @ b, 10), device)
+    x = torch.randn(1 << 22, device=device)
+    k = topo.world_size
+    int4 = timed(lambda: INT4.decode_wire_sum(INT4.encode_wire(x, k), k, x.numel() // k), 3)
+    int8 = timed(lambda: INT8.decode_wire(INT8.encode_wire(x, k), k, x.numel() // k), 3)
+    codec = x.numel() * 4 / _slowest(max(int4, int8), device)
+
+    group = topo.group_for(topo.rank, 0, topo.num_levels - 1)
+    shard = torch.ones(1 << 20, device=device)
+    full = torch.empty(shard.numel() * group.size, device=device)
+    stream = topo.comm_stream()
+    comm = timed(lambda: stream.run(C.all_gather, full, shard, group, topo, "probe"), 3)
+    reps = max(1, round(comm / max(matmul, 1e-9)))
+    compute = timed(lambda: [a @ b for _ in range(reps)], 2)
+
+    def both():
+        future = stream.submit(C.all_gather, full, shard, group, topo, "probe")
+        for _ in range(reps):
+            a @ b
+        future.result()
+    together = timed(both, 2)
+    overlap = (compute + comm - together) / min(compute, comm)
+    overlap = _slowest(-min(1.0, max(0.0, overlap)), device)      # the worst rank's overlap
+    return {"peak_flops": 2 * n ** 3 / matmul, "codec_rate": codec, "overlap": -overlap}
+
+
 def fit(points: list[tuple[float, float]], k: int) -> tuple[float, float]:
     """Least squares ``t = a + x / bandwidth`` over (bytes sent per rank, seconds); latency = a / (k - 1).
 
@@ -173,15 +245,19 @@ def fit(points: list[tuple[float, float]], k: int) -> tuple[float, float]:
 
 
 def to_toml(topo, results: list[dict], sizes: list[int], args: argparse.Namespace, backend: str,
-            memory: int | None) -> str:
+            memory: int | None, device_rates: dict | None = None) -> str:
     lines = [
         f"# Written by tiershard probe: {topo.world_size} ranks as tiers {topo.sizes}, backend {backend},",
         f"# sizes {sizes} bytes, median of {args.iters} after {args.warmup} warm-up, slowest rank.",
         "# bandwidth: bytes/s one rank sends on the tier's links (all-gather fit); latency: seconds per step.",
-        "# peak_flops is not measured: tiershard plan takes it from --peak-tflops or its default preset.",
+        "# peak_flops: the matmul rate one rank reached; codec_rate: bytes/s through qwZ/qgZ's codecs;",
+        "# overlap: fraction of compute an all-gather on the engine's communication stream hid behind.",
         "[cluster]",
         'name = "probe"',
     ]
+    if device_rates:
+        lines += [f"peak_flops = {device_rates['peak_flops']:.6e}", f"codec_rate = {device_rates['codec_rate']:.6e}",
+                  f"overlap = {device_rates['overlap']:.4f}"]
     if memory is not None:
         lines.append(f"gpu_memory = {memory}")
     for tier in results:

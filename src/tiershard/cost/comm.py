@@ -11,6 +11,7 @@ tiers' links run at once, so a collective takes the slowest tier's share:
     time = max over tiers (bytes per rank on the tier / tier bandwidth) + latency
     latency:  steps x (k - 1) x the largest latency of the tiers it crosses
     steps = 2 for all-reduce, else 1; all-to-all: (k - 1) pairwise steps over its tier
+    codec:    qwZ/qgZ values quantized and dequantized / the cluster's measured codec rate (when known)
 
 PaRO-CC needs no case of its own: ``traffic`` already splits a plan's multi-tier collectives into one phase per
 tier, so each phase pays its own tier's latency and the inter-node phase moves 1/m of the data.
@@ -110,7 +111,9 @@ def price(c: Collective, cluster: Cluster) -> Priced:
     bw_time = max(b / tiers[t].bandwidth for t, b in per_rank.items())
     steps = 2 if c.kind == "all_reduce" else 1
     latency = steps * (k - 1) * max(tiers[t].latency for t, _ in links)
-    return Priced(c, tier_bytes, {t: b * c.count for t, b in per_rank.items()}, c.count * (bw_time + latency))
+    codec = c.codec_bytes / cluster.codec_rate if cluster.codec_rate else 0.0
+    return Priced(c, tier_bytes, {t: b * c.count for t, b in per_rank.items()},
+                  c.count * (bw_time + latency + codec))
 
 
 def price_plan(pl: Placement, model: ModelSpec, job: Job, cluster: Cluster) -> list[Priced]:

@@ -7,7 +7,7 @@
     step     = compute + exposed
 
 Micro-step comm (parameter gathers, per-micro-step gradient reduction) runs beside compute and hides behind
-up to ``Job.overlap`` of it; boundary comm (gradient sync at the accumulation boundary, the parameter sync
+up to ``overlap`` of it (the cluster's measured value, ``tiershard probe``, else ``Job.overlap``); boundary comm (gradient sync at the accumulation boundary, the parameter sync
 after the optimizer step) waits for the last backward and the step, so it is fully exposed. The optimizer
 step's own time is left out (it is the same order for every plan that shards os alike).
 """
@@ -94,6 +94,7 @@ def evaluate(plan: Plan | str, model: ModelSpec, cluster: Cluster, job: Job) -> 
     compute = job.accum * compute_seconds(model, job, cluster)
     micro = sum(p.seconds for p in priced if p.micro)
     boundary = sum(p.seconds for p in priced if not p.micro)
+    overlap = job.overlap if cluster.overlap is None else cluster.overlap
     tier_bytes: dict[str, int] = {}
     tier_seconds: dict[str, float] = {t.name: 0.0 for t in cluster.tiers}
     bandwidth = {t.name: t.bandwidth for t in cluster.tiers}
@@ -106,9 +107,9 @@ def evaluate(plan: Plan | str, model: ModelSpec, cluster: Cluster, job: Job) -> 
     return Estimate(
         plan=plan, memory=memory(pl, model, job), capacity=cluster.gpu_memory * (1 - job.memory_reserve),
         tier_bytes=tier_bytes, tier_seconds=tier_seconds, compute=compute, comm_micro=micro,
-        comm_boundary=boundary, step_time=compute + max(0.0, micro - job.overlap * compute) + boundary,
+        comm_boundary=boundary, step_time=compute + max(0.0, micro - overlap * compute) + boundary,
         world=cluster.world_size, group_sizes={t.name: s for t, s in zip(cluster.tiers, sizes)},
-        model_flops=job.accum * job.tokens * (4 * model.params + 2 * model.trainable), overlap=job.overlap)
+        model_flops=job.accum * job.tokens * (4 * model.params + 2 * model.trainable), overlap=overlap)
 
 
 def candidate_plans(topology: Topology, options: bool = True) -> list[Plan]:

@@ -196,12 +196,19 @@ class Tier:
 
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
-    """Tiers (innermost first, the last one the world), device memory and peak flops per device."""
+    """Tiers (innermost first, the last one the world), device memory and peak flops per device.
+
+    Measured by ``tiershard probe`` when known: ``codec_rate``, bytes of values per second one rank quantizes
+    and dequantizes (qwZ/qgZ compute; None leaves it out); ``overlap``, the fraction of compute that the
+    engine's communication stream actually hides communication behind (None: the job's assumption).
+    """
 
     tiers: tuple[Tier, ...]
     gpu_memory: float
     peak_flops: float
     name: str = ""
+    codec_rate: float | None = None
+    overlap: float | None = None
     topology: Topology = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -218,6 +225,10 @@ class Cluster:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name}={value!r} must be a positive number ({'bytes' if name == 'gpu_memory' else 'flop/s'})")
+        if self.codec_rate is not None and not (isinstance(self.codec_rate, (int, float)) and self.codec_rate > 0):
+            raise ValueError(f"codec_rate={self.codec_rate!r} must be a positive number of bytes/s, or None")
+        if self.overlap is not None and not (isinstance(self.overlap, (int, float)) and 0 <= self.overlap <= 1):
+            raise ValueError(f"overlap={self.overlap!r} must be in [0, 1], or None")
 
     @classmethod
     def two_tier(cls, *, gpus: int, gpus_per_node: int, intra_bw: float, inter_bw: float,
