@@ -32,8 +32,10 @@ class Progress:
     """A one-line progress report: rewritten with ``\\r`` on a terminal, one line per interval otherwise
     (so logs and CI output stay readable)."""
 
-    def __init__(self, steps: int, log_interval: int, stream: IO[str] | None = None, tty: bool | None = None):
+    def __init__(self, steps: int, log_interval: int, stream: IO[str] | None = None, tty: bool | None = None,
+                 start: int = 0):
         self.steps = steps
+        self.start_step = start  # a resumed run: steps before it were done by an earlier process
         self.log_interval = log_interval
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty() if tty is None else tty
@@ -43,7 +45,7 @@ class Progress:
     def line(self, rec: dict) -> str:
         elapsed = time.perf_counter() - self.start
         done = rec["step"] + 1
-        eta = elapsed / done * (self.steps - done)
+        eta = elapsed / max(done - self.start_step, 1) * (self.steps - done)
         tiers = "  ".join(f"{t} {human_bytes(b)}" for t, b in rec["bytes"].items())
         width = len(str(self.steps))
         return (f"step {done:>{width}}/{self.steps}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
@@ -57,7 +59,7 @@ class Progress:
             self._open = True
             if done == self.steps:
                 self._newline()
-        elif done % self.log_interval == 0 or done == self.steps or done == 1:
+        elif done % self.log_interval == 0 or done == self.steps or done == self.start_step + 1:
             self.stream.write(self.line(rec) + "\n")
         self.stream.flush()
 
@@ -75,12 +77,14 @@ class Progress:
 
 
 class MetricsLog:
-    """Metrics as JSON lines: one record per step (``"kind": "train"``) and per evaluation (``"val"``)."""
+    """Metrics as JSON lines: one record per step (``"kind": "train"``) and per evaluation (``"val"``).
 
-    def __init__(self, path: Path):
+    ``append`` continues an existing file (a resumed run, after ``truncate_metrics``); else it starts empty."""
+
+    def __init__(self, path: Path, append: bool = False):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(path, "w", encoding="utf-8")
+        self._fh = open(path, "a" if append else "w", encoding="utf-8")
 
     def write(self, rec: dict) -> None:
         self._fh.write(json.dumps(rec, sort_keys=True) + "\n")
@@ -93,6 +97,29 @@ class MetricsLog:
 def read_metrics(path: Path) -> list[dict]:
     with open(path, encoding="utf-8") as fh:
         return [json.loads(line) for line in fh if line.strip()]
+
+
+def truncate_metrics(path: Path, before_step: int) -> int:
+    """Keep the records of steps before ``before_step`` (where a resumed run starts), so that the steps it
+    runs again are not logged twice; a last line cut short by a killed process is dropped. The file is
+    replaced atomically. Returns the records kept."""
+    if not path.is_file():
+        return 0
+    kept = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                break                         # the write the kill interrupted: nothing valid follows it
+            if rec.get("step", before_step) < before_step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    tmp.replace(path)
+    return len(kept)
 
 
 def plot_run(records: Iterable[dict], path: Path, title: str = "") -> Path:

@@ -25,6 +25,9 @@ class TrainConfig:
     (a run shorter than its warmup only warms up).
     ``clip`` is the max global gradient norm (0 turns clipping off). ``weight_decay`` applies to every
     parameter: after sharding, the flat parameters no longer say which were matrices.
+    ``save_every`` writes a checkpoint (``ts.save``, with the optimizer) to ``out/checkpoints/step_<N>`` every
+    that many steps and at the last step (0: none). ``resume`` is ``""`` (start fresh), ``"auto"`` (the
+    checkpoint ``out/checkpoints/latest`` names, if there is one, else start fresh) or a checkpoint path.
     """
 
     steps: int = 300
@@ -42,6 +45,8 @@ class TrainConfig:
     eval_batches: int = 4
     out: str = "runs/default"
     save: bool = True
+    save_every: int = 0
+    resume: str = ""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "accum", "log_interval", "eval_interval", "eval_batches"):
@@ -63,6 +68,12 @@ class TrainConfig:
             raise ValueError(f"train.out must be a folder path, got {self.out!r}")
         if not isinstance(self.save, bool):
             raise ValueError(f"train.save must be true or false, got {self.save!r}")
+        if not isinstance(self.save_every, int) or isinstance(self.save_every, bool) or self.save_every < 0:
+            raise ValueError(f"train.save_every must be a non-negative integer (0: no checkpoints), "
+                             f"got {self.save_every!r}")
+        if not isinstance(self.resume, str):
+            raise ValueError(f"train.resume must be \"\" (start fresh), \"auto\" or a checkpoint path, "
+                             f"got {self.resume!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,12 +81,16 @@ class ParallelConfig:
     """How the job is laid out: ``nproc`` ranks on this machine, ``ranks_per_node`` to a (possibly emulated)
     node, and the sharding plan (a preset, a PaRO code such as ``IIG``, or ``auto`` for the planner).
     Under an outside ``torchrun`` the launcher's world is used and ``nproc``/``ranks_per_node`` are ignored.
+    ``max_restarts``: how often the launcher restarts every rank after one fails; each restart resumes from the
+    last checkpoint, so it needs ``train.save_every`` and ``train.resume = "auto"`` (under an outside
+    ``torchrun``, its own ``--max-restarts`` applies instead).
     """
 
     plan: str = "IIG"
     nproc: int = 4
     ranks_per_node: int = 2
     backend: str = "auto"
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         _positive_int("parallel.nproc", self.nproc)
@@ -87,6 +102,8 @@ class ParallelConfig:
             raise ValueError(f"parallel.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if not isinstance(self.plan, str) or not self.plan:
             raise ValueError(f"parallel.plan must be a plan such as IIG, zero3 or auto, got {self.plan!r}")
+        if not isinstance(self.max_restarts, int) or isinstance(self.max_restarts, bool) or self.max_restarts < 0:
+            raise ValueError(f"parallel.max_restarts must be a non-negative integer, got {self.max_restarts!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,6 +115,12 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        # a restart that does not resume would start the job over (or reload one fixed checkpoint) every time
+        if self.parallel.max_restarts and (self.train.resume != "auto" or not self.train.save_every):
+            raise ValueError(f"--max-restarts {self.parallel.max_restarts} restarts the job from its last checkpoint: "
+                             "it needs --save-every N and --resume auto (train.save_every, train.resume)")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "config") -> "JobConfig":

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import importlib
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -45,10 +46,14 @@ FLAGS: list[tuple[str, str, str, type, str]] = [
     ("--eval-interval", "train", "eval_interval", int, "steps between validation losses"),
     ("--out", "train", "out", str, "output folder (metrics.jsonl, train.png, model.pt, config.toml)"),
     ("--save", "train", "save", bool, "write the trained weights to model.pt"),
+    ("--save-every", "train", "save_every", int, "steps between checkpoints in OUT/checkpoints (0: none)"),
+    ("--resume", "train", "resume", str, "auto (the latest checkpoint in OUT/checkpoints, if any) or a checkpoint"),
     ("--plan", "parallel", "plan", str, "sharding plan: a preset (zero3, hsdp, ...), a code like IIG, or auto"),
     ("--nproc", "parallel", "nproc", int, "ranks to launch on this machine"),
     ("--ranks-per-node", "parallel", "ranks_per_node", int, "ranks per (emulated) node"),
     ("--backend", "parallel", "backend", str, "auto (nccl with a GPU per rank, else gloo), gloo or nccl"),
+    ("--max-restarts", "parallel", "max_restarts", int,
+     "restarts after a rank fails, each resuming from the last checkpoint (needs --save-every, --resume auto)"),
 ]
 
 
@@ -124,6 +129,13 @@ def check(cfg, topo):
         if gpus < topo.world_size:
             raise CliError(f"--backend nccl needs a GPU for each of the {topo.world_size} ranks, but {gpus} are "
                            "visible: use --backend gloo or auto")
+    if cfg.train.resume not in ("", "auto"):
+        from ..checkpoint import CheckpointError, resolve
+
+        try:
+            resolve(cfg.train.resume)
+        except CheckpointError as err:
+            raise CliError(f"--resume: {err}") from None
     if cfg.parallel.plan == "auto":
         cfg = replace(cfg, parallel=replace(cfg.parallel, plan=_auto_plan(cfg, topo)))
         print(f"plan auto: the planner chose {cfg.parallel.plan} for {topo.sizes}", flush=True)
@@ -204,7 +216,7 @@ def _launch(cfg, topo) -> int:
 
     # static rendezvous on a free port: the c10d one spends seconds in event logging on every state change
     launch_args = torchrun.get_args_parser().parse_args([
-        "--nnodes", "1", "--nproc-per-node", str(topo.world_size), "--max-restarts", "0",
+        "--nnodes", "1", "--nproc-per-node", str(topo.world_size), "--max-restarts", str(cfg.parallel.max_restarts),
         "--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
         "--module", "tiershard.cli", "train", "--config", str(resolved)])
     env = {"TIERSHARD_TOPOLOGY": ",".join(map(str, topo.sizes)), "TIERSHARD_LAUNCHED": "1",
@@ -214,8 +226,11 @@ def _launch(cfg, topo) -> int:
             torchrun.run(launch_args)
     except ChildFailedError as err:
         _, failure = err.get_first_failure()
-        raise CliError(f"rank {failure.local_rank} exited with code {failure.exitcode}; "
-                       "its error is printed above") from None
+        code = failure.exitcode
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        restarts = cfg.parallel.max_restarts
+        after = f" (after {restarts} restart{'s' if restarts > 1 else ''})" if restarts else ""
+        raise CliError(f"rank {failure.local_rank} {how}{after}; its error, if any, is printed above") from None
     except KeyboardInterrupt:
         print("tiershard train: interrupted", file=sys.stderr)
         return 130
@@ -232,12 +247,13 @@ def _run_rank(cfg) -> int:
     """One rank under torchrun: user errors the launcher could not catch become one line from rank 0."""
     from .. import data as data_mod
     from .. import trainer
+    from ..checkpoint import CheckpointError
     from ..plan import PlanError
     from ..topology import TopologyError
 
     try:
         trainer.train(cfg)
-    except (PlanError, TopologyError, data_mod.DataError, trainer.SetupError) as err:
+    except (PlanError, TopologyError, data_mod.DataError, trainer.SetupError, CheckpointError) as err:
         if os.environ.get("RANK") == "0":
             raise CliError(str(err)) from None
         return 2
