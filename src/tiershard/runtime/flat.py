@@ -167,19 +167,10 @@ class FlatGroup:
     # ---- parameters: masters -> p_shard -> working ------------------------------------------------
     def _pack_masters(self, dtype: torch.dtype) -> torch.Tensor:
         """The masters as this rank's band at their level (slots x U), in ``dtype``: one interleaving copy."""
-        n = self.slots(self.level)
+        n, first = self.slots(self.level), self.first_slot(self.level)
         band = torch.empty(self.S // self.size(self.level), dtype=dtype, device=self.device)
-        pieces = []
-        for i, layout in enumerate(self.layouts):
-            local = self.master_local(i)
-            b = layout.band(self.first_slot(self.level), n)
-            if b.index is None and b.length == b.padded:
-                pieces.append(local.reshape(-1))
-            else:
-                padded = torch.empty(b.padded, layout.row, dtype=self.master_dtype, device=self.device)
-                b.pad_into(local, padded)
-                pieces.append(padded.view(-1))
-        _chunk_cat(pieces, n, band)
+        _chunk_cat([layout.band(first, n).padded_flat(self.master_local(i)) for i, layout in enumerate(self.layouts)],
+                   n, band)
         return band
 
     def _split_full(self, full: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
@@ -201,16 +192,10 @@ class FlatGroup:
         """One parameter's full value on every rank, in the masters' dtype: one all-gather of its column
         block, no copy of the whole group (what re-initialising a module one at a time needs)."""
         self.stream.drain()
-        layout, n = self.layouts[index], self.slots(self.level)
-        b = layout.band(self.first_slot(self.level), n)
-        local = self.master_local(index)
-        if b.index is None and b.length == b.padded:
-            block = local.reshape(-1)
-        else:
-            block = torch.empty(b.padded, layout.row, dtype=self.master_dtype, device=self.device)
-            b.pad_into(local, block)
+        layout = self.layouts[index]
+        block = layout.band(self.first_slot(self.level), self.slots(self.level)).padded_flat(self.master_local(index))
         gathered = torch.empty(self.W * layout.cols, dtype=self.master_dtype, device=self.device)
-        C.all_gather(gathered, block.reshape(-1), self.group(0, self.level), self.topo, "state_dict")
+        C.all_gather(gathered, block, self.group(0, self.level), self.topo, "state_dict")
         return layout.band(0, self.W).real(gathered.view(self.W * layout.rows, layout.row))
 
     @torch.no_grad()
@@ -364,12 +349,8 @@ class FlatGroup:
             grad, w.grad = w.grad, None
             if grad is None:
                 pieces.append(torch.zeros(self.W * layout.cols, dtype=self.param_dtype, device=self.device))
-            elif layout.exact:
-                pieces.append(grad.reshape(-1))
             else:
-                padded = torch.empty(self.W * layout.rows, layout.row, dtype=self.param_dtype, device=self.device)
-                layout.band(0, self.W).pad_into(grad, padded)
-                pieces.append(padded.view(-1))
+                pieces.append(layout.band(0, self.W).padded_flat(grad))
         full = torch.empty(self.S, dtype=self.reduce_dtype, device=self.device)
         _chunk_cat(pieces, self.W, full)
         self._reducing = self.stream.submit(self._reduce_matrix, full, boundary)

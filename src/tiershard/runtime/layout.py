@@ -117,6 +117,15 @@ class Band:
             return padded[: self.length].view(self.shape)
         return padded.index_select(0, self.index.to(padded.device)).view(self.shape)
 
+    def padded_flat(self, real: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``real`` as this band's padded rows, flattened: the tensor itself when it has no padding rows,
+        else a padded copy."""
+        if self.index is None and self.length == self.padded:
+            return real.reshape(-1)
+        padded = torch.empty(self.padded, math.prod(self.shape[1:]), dtype=dtype or real.dtype, device=real.device)
+        self.pad_into(real, padded)
+        return padded.view(-1)
+
     def pad_into(self, real: torch.Tensor, padded: torch.Tensor) -> None:
         """Write ``real`` rows into a padded block, zeroing the padding rows."""
         real = real.reshape(self.length, math.prod(self.shape[1:]))
