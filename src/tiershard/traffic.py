@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence, TYPE_CHECKING
 
+from .comm.quantized import pipeline_chunks
 from .comm.volume import add_into, rank_bytes
 
 if TYPE_CHECKING:
@@ -68,16 +69,24 @@ def group_collectives(pl: "Placement", shape: FlatGroupShape, param_bytes: int, 
     S, d = shape.numel, pl.size
     out: list[Collective] = []
     qwz, qgz = _codecs(pl)
+    qgz_feedback = bool(pl.plan.qgz and pl.plan.qgz.endswith("+ef"))
 
     def reduce_scatter(op: str, inner: int, outer: int, buffer_bytes: int, count: int = 1) -> list[Collective]:
         if qgz is None:
             return [Collective(op, "reduce_scatter", inner, outer, buffer_bytes, count)]
         hops = []
+        active = [k for k in range(inner + 1, outer + 1) if d(k) > d(k - 1)]
+        runs = pipeline_chunks(shape.columns or None)
+        if len(active) < 2 or not shape.columns or qgz_feedback:
+            runs = [shape.columns or None]        # one run: no pipeline ([Note: qgZ pipeline])
+        width = sum(shape.columns) if shape.columns else S
         for k in range(inner + 1, outer + 1):
             slots = d(k) // d(k - 1)
-            wire = qgz.wire_bytes(S // d(k), shape.columns or None)
-            # encode the hop's input, decode and sum what arrives: both its size, in fp32
-            hops.append(Collective(op, "all_to_all", k - 1, k, slots * wire, count, 2 * 4 * S // d(k - 1)))
+            # each run's rows x its columns per member; encode the hop's input, decode and sum what arrives
+            for run in runs:
+                part = S // d(k) * sum(run) // width if run else S // d(k)
+                hops.append(Collective(op, "all_to_all", k - 1, k, slots * qgz.wire_bytes(part, run or None), count,
+                                       2 * 4 * part * slots // 1))
         return hops
 
     if pl.p > 0:

@@ -12,9 +12,16 @@ fp32 in the same pass. Blocks follow the parameters of each row (``segments``), 
 last hop it holds exactly its level-``b`` chunk: the ownership map is the
 "slice reordering" of ZeRO++, so no data is permuted. Error feedback (``+ef``) adds each hop's quantization
 residual of the previous reduction to the next one before quantizing.
+
+[Note: qgZ pipeline] With two hops or more the buffer is cut into column chunks at parameter boundaries
+(``pipeline_chunks``) and the hops run as a wavefront: while chunk c crosses the slow tier, chunk c+1 crosses
+the fast one, as ZeRO++ pipelines its intra- and inter-node all-to-alls. Blocks never span parameters and each
+member's sum adds the same values in the same order, so the result is bit-identical to running the hops one
+after the other; only the 4-byte padding of each chunk's payload differs (``traffic.py`` counts it).
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,6 +61,28 @@ class QuantizedGather:
         return wire_all[first * size:(first + count) * size]
 
 
+PIPELINE_CHUNKS = 4
+
+
+def pipeline_chunks(segments: tuple[int, ...] | None, chunks: int | None = None) -> list[tuple[int, ...]]:
+    """The row layout cut into at most ``chunks`` (default ``PIPELINE_CHUNKS``) runs of whole parameters of
+    about equal width (one run when the layout is unknown or too small to be worth cutting)."""
+    chunks = PIPELINE_CHUNKS if chunks is None else chunks
+    if not segments:
+        return [segments] if segments is not None else [()]
+    total, target = sum(segments), sum(segments) / chunks
+    out, run, width = [], [], 0
+    for seg in segments:
+        run.append(seg)
+        width += seg
+        if width >= target * (len(out) + 1) and len(out) < chunks - 1:
+            out.append(tuple(run))
+            run = []
+    if run:
+        out.append(tuple(run))
+    return [c for c in out if sum(c)] if chunks > 1 and total >= 4096 * chunks else [tuple(segments)]
+
+
 class QuantizedReduceScatter:
     """qgZ: reduce-scatter as one quantized all-to-all per tier, fp32 sums between hops ([Note: qgZ hops])."""
 
@@ -69,6 +98,10 @@ class QuantizedReduceScatter:
         ``segments``: the parameters' widths in a row of the slot-major buffer, so that no quantization block
         spans two parameters (a norm's gain never shares a scale with a weight matrix)."""
         buf = full.to(torch.float32)
+        active = [group for group in hops if group.size > 1]
+        runs = pipeline_chunks(segments)
+        if len(active) > 1 and len(runs) > 1 and not self.error_feedback:
+            return self._pipelined(buf, active, topology, op, segments, runs)
         for index, group in enumerate(hops):
             if group.size == 1:
                 continue
@@ -78,6 +111,34 @@ class QuantizedReduceScatter:
                     buf = buf + residual
             buf = self._hop(buf, group, topology, op, (key, index), segments)
         return buf
+
+    def _pipelined(self, buf: torch.Tensor, hops: list["TierGroup"], topology: "Topology", op: str,
+                   segments: tuple[int, ...], runs: list[tuple[int, ...]]) -> torch.Tensor:
+        """The hops as a wavefront over column chunks ([Note: qgZ pipeline])."""
+        codec, width = self.codec, sum(segments)
+        rows = buf.numel() // width
+        starts = [sum(sum(r) for r in runs[:i]) for i in range(len(runs))]
+        state = [buf.view(rows, width)[:, a:a + sum(r)].contiguous().view(-1) for a, r in zip(starts, runs)]
+        for tick in range(len(runs) + len(hops) - 1):
+            flying = []
+            for stage, group in enumerate(hops):
+                c = tick - stage
+                if 0 <= c < len(runs):
+                    k = group.size
+                    order = C._slot_index(group, buf.device)
+                    wire = codec.encode_wire(state[c], k, order=order, segments=runs[c])
+                    received = torch.empty_like(wire)
+                    work = dist.all_to_all_single(received, wire, group=group.pg, async_op=True)
+                    LEDGER.record(op, "all_to_all", group.ranks, wire.numel(), topology.rank, topology)
+                    flying.append((c, k, received, work))
+            for c, k, received, work in flying:
+                work.wait()
+                state[c] = codec.decode_wire_sum(received, k, state[c].numel() // k, segments=runs[c])
+        out_rows = rows // math.prod(group.size for group in hops)
+        out = torch.empty(out_rows, width, dtype=torch.float32, device=buf.device)
+        for a, r, part in zip(starts, runs, state):
+            out[:, a:a + sum(r)] = part.view(out_rows, sum(r))
+        return out.view(-1)
 
     def _hop(self, buf: torch.Tensor, group: "TierGroup", topology: "Topology", op: str, ef_key,
              segments: tuple[int, ...] | None) -> torch.Tensor:
