@@ -310,6 +310,17 @@ def _setup_cases(rank, world, topo):
         out["data_assign"] = "no error"
     except RuntimeError as err:
         out["data_assign"] = str(err)
+    x = batches(1, 1, 1, world)[0][0][:2, :-1]
+    evals = {}
+    for plan in ("NGG", "GGG", "zero++"):        # forwards under no_grad: exact weights, whatever p is
+        torch.manual_seed(0)
+        sharded = ts.shard(TinyGPT(), plan, topo, wrap={Block})
+        with torch.no_grad():
+            evals[plan] = sharded(x)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        expected = TinyGPT()(x)
+    out["eval"] = {plan: (y - expected).abs().max().item() for plan, y in evals.items()}
     model = TinyGPT().to(torch.bfloat16)      # param_dtype defaults to the parameters' dtype
     model.scale.fill_(1.0 + rank)             # buffers come from rank 0
     model = ts.shard(model, "GGG", topo, wrap={Block})
@@ -389,5 +400,6 @@ def test_clear_errors_and_setup(results):
         assert "wpe has shape (8, 12)" in s["mismatch"] and "(8, 16)" in s["mismatch"], s["mismatch"]
         assert "requires_grad" in s["requires_grad"] and "blocks.0.fc.weight" in s["requires_grad"], s
         assert "param.copy_(value)" in s["data_assign"], s["data_assign"]
+        assert all(err <= 1e-6 for err in s["eval"].values()), s["eval"]
         assert s["dtypes"] == ("torch.bfloat16", "torch.float32"), s["dtypes"]
         assert s["buffer"] == 1.0, s["buffer"]

@@ -257,8 +257,8 @@ class FlatGroup:
                 return
             self._gathering[0].result()            # a prefetch of the other kind: let it finish, unused
             self._gathering = None
-        if self.gathered_version == self.weights_version and not exact:
-            return
+        if self.pl.p == 0 or self.gathered_version == self.weights_version and not exact:
+            return                         # replicated weights are always there, and exact (no qwz on them)
         pl = self.pl
         level, source = pl.p, self.p_shard if self.trainable else None
         for h in () if exact else pl.hpz:   # sorted innermost first: the smallest group wins
