@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 
-__all__ = ["CheckpointError", "save", "load", "latest"]
+__all__ = ["CheckpointError", "save", "load", "latest", "resolve", "verify"]
 
 MANIFEST = "tiershard.json"
 LATEST = "latest"
@@ -113,8 +113,9 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     tmp = path.parent / f".{path.name}.tmp-{token}"
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in path.parent.glob(f".{path.name}.tmp-*"):     # left by a save that was killed
-            shutil.rmtree(stale, ignore_errors=True)
+        for stale in path.parent.glob(".*.tmp-*"):     # left by saves that were killed (one job per folder)
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     if dist.is_initialized():
         dist.barrier()
@@ -192,7 +193,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     error = None
     try:
         path = resolve(path)
-        manifest = _verify(path, rank, world)
+        manifest = verify(path, rank, world)
     except CheckpointError as err:
         error, manifest = str(err), None
     _agree(error)
@@ -230,8 +231,9 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> d
     return {"model": model_sd, "optim": optim_sd}
 
 
-def _verify(path: Path, rank: int, world: int) -> dict:
-    """Check the manifest against the files: presence and size everywhere, CRC-32 of this rank's share."""
+def verify(path: Path, rank: int = 0, world: int = 1) -> dict:
+    """Check the manifest against the files: presence and size of all, CRC-32 of this rank's share (all of them
+    by default, in one process). Returns the manifest; raises ``CheckpointError`` naming the first bad file."""
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"checkpoint {path} is incomplete: {manifest_path} is missing (a save that did not "

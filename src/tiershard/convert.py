@@ -104,7 +104,7 @@ class _Reader:
 
         self.path = checkpoint.resolve(path)
         if verify:
-            checkpoint._verify(self.path, 0, 1)       # every file's presence, size and CRC-32 against the manifest
+            checkpoint.verify(self.path)       # every file's presence, size and CRC-32 against the manifest
 
         class Cached(FileSystemReader):
             """DCP asks for the metadata on every load; one read serves them all."""
