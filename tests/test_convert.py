@@ -193,20 +193,26 @@ def test_user_errors_are_one_line(ckpts, tmp_path, capsys):
 
 # ---- memory ----------------------------------------------------------------------------------------------
 MEASURE = r"""
-import json, resource, sys
+import json, sys
 from tiershard import convert
 ckpt, out, shard = sys.argv[1:4]
 reader = convert._Reader(ckpt)                      # imports, metadata and one DCP load before the baseline
 reader.read(min(reader.entries, key=lambda e: e.nbytes()))
-def rss():
+def status(key):
     for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
+        if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
-base = rss()
+def peak_since_reset():
+    with open("/proc/self/clear_refs", "w") as f:     # resets VmHWM, the peak, to the current RSS
+        f.write("5")
+base = status("VmRSS")
+peak_since_reset()
 convert.to_safetensors(ckpt, out + "/st", max_shard_size=int(shard))
-st = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+st = status("VmHWM")
+peak_since_reset()
+base_pt = status("VmRSS")
 convert.to_torch(ckpt, out + "/model.pt")
-pt = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+pt = status("VmHWM") - base_pt + base
 print(json.dumps({"base": base, "safetensors": st - base, "torch": pt - base,
                   "model": sum(e.nbytes() for e in reader.entries),
                   "largest": max(e.nbytes() for e in reader.entries)}))

@@ -117,6 +117,27 @@ def _generate(rank, world, topo, out):
         out[(kind, "generate")] = torch.equal(got, ref)
 
 
+def _save_pretrained(rank, world, topo, out, folder):
+    """``save_pretrained(state_dict=ts.full_state_dict(model, rank0_only=True))``: from_pretrained gives the model."""
+    import torch.distributed as dist
+    import transformers
+
+    import tiershard as ts
+
+    model = ts.shard(build("gpt2"), "IIG", topo, wrap={WRAPS["gpt2"]})
+    train(model, rank, world, sharded=True)
+    state = ts.full_state_dict(model, rank0_only=True)
+    x = tokens(12, world)[:2]
+    with torch.no_grad():
+        logits = model(input_ids=x).logits
+    if rank == 0:
+        model.save_pretrained(f"{folder}/gpt2", state_dict=state)
+    dist.barrier()
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(f"{folder}/gpt2")
+    with torch.no_grad():
+        out[("save_pretrained",)] = (loaded(input_ids=x).logits - logits).abs().max().item()
+
+
 def _meta(rank, world, topo, out):
     import tiershard as ts
     from tiershard.models import GPT, gpt_config
@@ -235,6 +256,7 @@ def run_all(rank, world, folder):
     _training(rank, world, topo, out)
     _checkpointing(rank, world, topo, out)
     _generate(rank, world, topo, out)
+    _save_pretrained(rank, world, topo, out, folder)
     _meta(rank, world, topo, out)
     _lora(rank, world, topo, out, folder)
     return out
@@ -264,6 +286,10 @@ def test_gradient_checkpointing_gives_the_same_gradients(results):
 
 def test_generate_under_zeropp_sees_exact_weights(results):
     assert all(res[(kind, "generate")] for res in results for kind in ("gpt2", "llama"))
+
+
+def test_save_pretrained_from_pretrained(results):
+    assert all(res[("save_pretrained",)] <= 1e-5 for res in results), [res[("save_pretrained",)] for res in results]
 
 
 def test_meta_device_init(results):

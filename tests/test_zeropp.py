@@ -127,6 +127,6 @@ def _pipelined_vs_sequential(rank, world, sizes):
 
 def test_qgz_pipeline_is_bit_identical_to_hops_in_turn():
     """[Note: qgZ pipeline]: the wavefront over column chunks gives the same bits, and moves what traffic.py says."""
-    for world, sizes in ((4, (2, 4)), (8, (2, 4, 8))):
+    for world, sizes in ((4, (2, 4)),):
         for runs, same, (sent, formula) in run_ranks(_pipelined_vs_sequential, world, sizes):
             assert runs > 1 and same and sent == formula, (sizes, runs, same, sent, formula)
