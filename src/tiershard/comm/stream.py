@@ -10,7 +10,9 @@ the user's collectives never interleave with them.
 
 On CUDA the thread waits for the work submitted before it (an event recorded on the submitting stream), runs
 on a stream of its own, and finishes with a host sync of that stream: the main thread never blocks on the
-device, and a buffer handed back is complete. ``inline=True`` runs everything on the caller's thread at
+device, and a buffer handed back is complete. A buffer the thread allocates and the main stream goes on using
+(a gathered unit, the gradients it writes) is marked with ``hand_over``, so the caching allocator does not give
+its memory back to the communication stream while the main stream's kernels may still read it. ``inline=True`` runs everything on the caller's thread at
 submission: the synchronous schedule, the reference the overlapped one must match bit for bit.
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ class CommStream:
         self.device, self.inline = device, inline
         self._pool = None if inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiershard-comm")
         self._cuda = torch.cuda.Stream(device) if device.type == "cuda" and not inline else None
+        self._consumer = torch.cuda.current_stream(device) if self._cuda is not None else None
         self._pending: list[Future] = []
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
@@ -59,6 +62,12 @@ class CommStream:
                 result = fn(*args)
             self._cuda.synchronize()
             return result
+
+    def hand_over(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Mark a buffer made on the stream for use on the main (default) stream; a no-op off CUDA."""
+        if self._consumer is not None and tensor.is_cuda:
+            tensor.record_stream(self._consumer)
+        return tensor
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in stream order, waited for."""

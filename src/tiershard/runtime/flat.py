@@ -307,7 +307,7 @@ class FlatGroup:
         for h in () if exact else pl.hpz:
             if self.hpz.get(h, (None,))[0] != version:
                 self.hpz[h] = (version, self._hpz_band(h, full, encoded))
-        return full, version
+        return self.stream.hand_over(full), version
 
     def _copy_out(self, full: torch.Tensor) -> None:
         self._split_full(full, self.aliases)
@@ -400,7 +400,7 @@ class FlatGroup:
         """Give every master a gradient (zeros until the boundary) so that zero_grad can be seen."""
         for i, (layout, master) in enumerate(zip(self.layouts, self.masters)):
             if master.grad is None:
-                master.grad = self._dtensor(i, torch.zeros_like(self.master_local(i)))
+                master.grad = self._dtensor(i, self.stream.hand_over(torch.zeros_like(self.master_local(i))))
             self._marks[i] = self._grad_mark(master)
 
     def _reduce_scatter(self, buf: torch.Tensor, inner: int, outer: int, op: str) -> torch.Tensor:
@@ -445,7 +445,7 @@ class FlatGroup:
                 self._all_gather(out, buf, pl.os, pl.g, "grad_sync")
         # the masters' gradients may be views of the accumulator: hand it over, the next micro-step starts anew
         self.grad_acc = None
-        self._add_to_master_grads(out.to(torch.float32))
+        self._add_to_master_grads(self.stream.hand_over(out.to(torch.float32)))
         self.grad_pending = False
         self._marks = [None] * len(self.layouts)
 
@@ -461,7 +461,7 @@ class FlatGroup:
             b = layout.band(self.first_slot(self.pl.os), n_os)
             local = b.real(block.view(b.padded, layout.row))
             if master.grad is None:
-                master.grad = self._dtensor(i, local)
+                master.grad = self._dtensor(i, self.stream.hand_over(local))
             else:
                 master.grad._local_tensor.add_(local)
 
