@@ -1,0 +1,121 @@
+"""`tiershard bench`: a smoke run on loopback ranks checked on bytes (never on times), and its errors.
+
+Oracle for bytes: `tiershard.traffic`'s closed form of each plan, built here from the model alone
+(`traffic.module_shapes` of the same GPT, cut as `ts.shard` cuts it) and summed over ranks with
+`traffic.total_traffic`. The bench's `ts.comm_stats()` node-crossing bytes per step must equal it exactly.
+With root and network namespaces, one more run on the emulated cluster checks the NIC counters against
+comm_stats within 5 % (the bench check).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from tiershard import bench, traffic
+from tiershard.cli import main
+
+SMOKE = bench.BenchConfig(size="tiny", systems=("zero++", "IIG", "fsdp2"), accums=(2,), rounds=1,
+                          steps_per_round=1, warmup=1, local=True, intra_bw=1e9)
+
+
+def closed_form_world(cfg: bench.BenchConfig, plan: str, accum: int) -> int:
+    """Node-crossing bytes of one optimizer step over all ranks, from the plan and the model alone."""
+    import torch
+
+    from tiershard import Plan
+    from tiershard.models.gpt import GPT, Block
+
+    topo = bench.topology(cfg)
+    pl = Plan.parse(plan).resolve(topo)
+    with torch.device("meta"):
+        model = GPT(bench.model_config(cfg))
+    shapes = traffic.module_shapes(model, {Block}, topo.chunking(pl.os), topo.chunking(pl.p))
+    colls = traffic.step_collectives(pl, shapes, bench.PARAM_BYTES, bench.REDUCE_BYTES, accum)
+    return traffic.total_traffic(colls, topo)["world"]
+
+
+@pytest.fixture(scope="module")
+def smoke():
+    return bench.run_bench(SMOKE, log=lambda line: None)
+
+
+def test_comm_stats_bytes_per_step_equal_the_closed_form(smoke):
+    (run,) = smoke["runs"]
+    plans = [row for row in run["rows"] if row["plan"]]
+    assert [row["system"] for row in plans] == ["zero++", "IIG"]
+    for row in plans:
+        expected = closed_form_world(SMOKE, row["plan"], run["accum"])
+        assert expected > 0
+        measured = row["comm_tiers_per_node"]["world"] * SMOKE.nodes      # per step, summed over all ranks
+        assert measured == expected, (row["system"], measured, expected)
+        assert row["closed_form_per_node"]["world"] * SMOKE.nodes == expected   # what the engine itself says
+        assert row["predicted_tier_bytes_per_node"]["world"] * SMOKE.nodes == expected   # the cost model's
+    peer = next(row for row in run["rows"] if row["system"] == "fsdp2")
+    assert peer["nic_tx_per_node"] is None and "comm_tiers_per_node" not in peer     # loopback: no counters
+    losses = {row["system"]: row["final_loss"] for row in run["rows"]}
+    assert all(abs(v - losses["fsdp2"]) < 0.05 for v in losses.values()), losses   # same model, batches, seed
+
+
+def test_report_has_every_system_and_the_outputs(smoke, tmp_path):
+    text = bench.render_markdown(smoke, "tiershard bench --local ...")
+    for system in SMOKE.systems:
+        assert f"| {system} |" in text, system
+    assert "| system | plan / peer | step ms |" in text and "vs fsdp2" in text and "vs floor" in text
+    assert "bench check: not available" in text
+    paths = bench.write_outputs(smoke, tmp_path)
+    assert {p.name for p in paths} == {"bench.md", "bench.json", "step_time.png", "bytes_per_tier.png"}
+    assert all(p.stat().st_size > 0 for p in paths)
+
+
+def test_cli_errors_are_one_line_with_exit_2(monkeypatch, capsys):
+    assert main(["bench", "--local", "--size", "9M"]) == 2
+    assert "unknown size '9M'" in capsys.readouterr().err
+    assert main(["bench", "--local", "--systems", "zero3,fsdp3"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown system 'fsdp3'" in err and len(err.strip().splitlines()) == 1
+    assert main(["bench", "--local", "--check"]) == 2
+    assert "--check compares NIC counters" in capsys.readouterr().err
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert main(["bench", "--systems", "zero3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tiershard bench: error: the emulated cluster needs root") and "--local" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def _netns_reason() -> str | None:
+    """None if this process may create network namespaces, else why not."""
+    from tiershard.cluster import ClusterError, require_root_and_tools
+
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    try:
+        tools = require_root_and_tools()
+    except ClusterError as err:
+        return str(err)
+    probe = f"ts-bprobe{os.getpid()}-sw"
+    made = subprocess.run([tools["ip"], "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"`ip netns add` is not allowed here: {made.stderr.strip()}"
+    subprocess.run([tools["ip"], "netns", "del", probe], capture_output=True)
+    return None
+
+
+def test_emulated_cluster_nic_bytes_agree_with_comm_stats():
+    reason = _netns_reason()
+    if reason:
+        pytest.skip(reason)
+    from tiershard.cluster import list_namespaces
+
+    name = f"bt{os.getpid() % 100000}"
+    cfg = bench.BenchConfig(size="tiny", model=dict(vocab_size=512, block_size=64, n_embd=128, n_head=4),
+                            systems=("zero3", "IIG"), accums=(1,), rates=("none",), rounds=1, steps_per_round=2,
+                            intra_bw=1e9, cluster_name=name)
+    results = bench.run_bench(cfg, log=lambda line: None)
+    checks = results["check"]
+    assert len(checks) == 2 * cfg.nodes and all(c["ok"] for c in checks), checks
+    (run,) = results["runs"]
+    for row in run["rows"]:
+        assert row["comm_tiers_per_node"]["world"] * cfg.nodes == closed_form_world(cfg, row["plan"], 1)
+    assert not [ns for ns in list_namespaces() if ns.startswith(f"ts-{name}-")]
