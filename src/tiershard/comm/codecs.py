@@ -673,16 +673,7 @@ class BlockCodec:
             raise ValueError(f"out must hold {k * n} float32, bfloat16 or float16 values on {wire.device}, "
                              f"got {out.numel()} {out.dtype} on {out.device}")
         target = out if out.is_contiguous() else torch.empty(k * n, dtype=out.dtype, device=out.device)
-        if lay is not None:
-            self._seg_decode(wire, k, n, lay, W, target, False)
-        elif (lib := _cpu_lib(wire, out.dtype)) is not None:
-            base = wire.data_ptr()
-            self._c_decode(lib, base, W, base + self.padded_payload_bytes(n), W, k, n, target, False)
-        elif (tk := _gpu_lib(wire, wire)) is not None:
-            tk.decode_wire(self, wire, k, n, target.view(-1))
-        else:
-            pay, sc, _ = self._wire_views(wire, k, n)
-            self._ref_decode_rows(pay, sc, k, n, target.view(-1), None)
+        self._decode(wire, k, n, lay, W, target, summed=False)
         if target is not out:
             out.copy_(target.view(out.shape))
         return out
@@ -697,17 +688,22 @@ class BlockCodec:
             out = torch.empty(n, dtype=torch.float32, device=wire.device)
         if out.numel() != n or out.dtype != torch.float32 or not out.is_contiguous() or out.device != wire.device:
             raise ValueError(f"out must be a contiguous float32 tensor of {n} values on {wire.device}")
+        self._decode(wire, k, n, lay, W, out, summed=True)
+        return out
+
+    def _decode(self, wire: Tensor, k: int, n: int, lay, W: int, target: Tensor, summed: bool) -> None:
+        """The backend that decodes ``wire`` into ``target``: every chunk (``summed`` False) or their fp32 sum."""
         if lay is not None:
-            self._seg_decode(wire, k, n, lay, W, out, True)
-        elif (lib := _cpu_lib(wire, torch.float32)) is not None:
+            self._seg_decode(wire, k, n, lay, W, target, summed)
+        elif (lib := _cpu_lib(wire, target.dtype)) is not None:
             base = wire.data_ptr()
-            self._c_decode(lib, base, W, base + self.padded_payload_bytes(n), W, k, n, out, True)
+            self._c_decode(lib, base, W, base + self.padded_payload_bytes(n), W, k, n, target, summed)
         elif (tk := _gpu_lib(wire, wire)) is not None:
-            tk.decode_wire_sum(self, wire, k, n, out.view(-1))
+            (tk.decode_wire_sum if summed else tk.decode_wire)(self, wire, k, n, target.view(-1))
         else:
             pay, sc, _ = self._wire_views(wire, k, n)
-            self._ref_decode_rows(pay, sc, k, n, None, out.view(-1))
-        return out
+            flat = target.view(-1)
+            self._ref_decode_rows(pay, sc, k, n, None if summed else flat, flat if summed else None)
 
 
 INT8 = BlockCodec(8, DEFAULT_BLOCKS[8])
