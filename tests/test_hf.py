@@ -81,8 +81,6 @@ def _training(rank, world, topo, out):
 
 
 def _grads(model, rank, world, sharded):
-    import tiershard as ts
-
     x = tokens(7, world)
     if sharded:
         x = x[rank * PER_RANK:(rank + 1) * PER_RANK]
