@@ -86,7 +86,7 @@ def group_collectives(pl: "Placement", shape: FlatGroupShape, param_bytes: int, 
             for run in runs:
                 part = S // d(k) * sum(run) // width if run else S // d(k)
                 hops.append(Collective(op, "all_to_all", k - 1, k, slots * qgz.wire_bytes(part, run or None), count,
-                                       2 * 4 * part * slots // 1))
+                                       2 * 4 * part * slots))
         return hops
 
     if pl.p > 0:

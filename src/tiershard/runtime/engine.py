@@ -236,7 +236,7 @@ class Engine:
         from ..traffic import FlatGroupShape
 
         return [FlatGroupShape(group.S, group.trainable, backward=unit is not self.root and any(
-                    g.trainable for g in unit.groups), columns=tuple(group.cols))
+                    g.trainable for g in unit.groups), columns=group.cols)
                 for unit in self.units for group in unit.groups]
 
     def settle(self) -> None:

@@ -76,8 +76,7 @@ class FlatGroup:
         self.W = topo.world_size
         self.U = plan_columns(self.layouts)
         self.S = self.W * self.U
-        self.cols = [layout.cols for layout in self.layouts]
-        self.segments = tuple(self.cols)        # the row layout qgZ's blocks follow
+        self.cols = tuple(layout.cols for layout in self.layouts)   # the row layout; qgZ's blocks follow it
         # masters: fp32 at level os for trainable parameters; frozen ones are kept only as what compute needs,
         # param_dtype at level p (no fp32 copy, no gradient, no optimizer state)
         self.level = placement.os if trainable else placement.p
@@ -99,7 +98,6 @@ class FlatGroup:
         self.p_shard = None if placement.p == 0 or not trainable else \
             torch.empty(self.S // self.size(placement.p), dtype=param_dtype, device=device)
         self.grad_acc: torch.Tensor | None = None   # allocated by the first micro-step, handed over at the boundary
-        self.grad_pending = False      # grad_acc holds micro-steps not yet moved to the masters' grads
         self._marks: list[tuple[int, int] | None] = [None] * len(self.layouts)   # (id, version) of grads set
         self.hpz: dict[int, tuple[int, torch.Tensor]] = {}   # level -> (weights version, band or its wire)
         plan = placement.plan
@@ -370,7 +368,6 @@ class FlatGroup:
                 self.grad_acc.mul_(scale)
         else:
             self.grad_acc.add_(reduced, alpha=scale)
-        self.grad_pending = True
         if boundary:
             self._sync_grads()
         else:
@@ -381,7 +378,7 @@ class FlatGroup:
 
         Each master holds a gradient from its first micro-step on (zeros until the boundary adds the rest), so
         clearing it (set to None, or zeroed in place) is visible here; that parameter's columns are dropped."""
-        if not self.grad_pending:
+        if self.grad_acc is None:      # nothing accumulated since the last boundary
             return
         band = self.grad_acc.view(self.slots(self.pl.g), self.U)
         for i, (layout, master) in enumerate(zip(self.layouts, self.masters)):
@@ -407,7 +404,7 @@ class FlatGroup:
         """Sum over the (inner -> outer) group, keeping this rank's level-``outer`` chunk; qgz goes tier by tier."""
         if self.qgz is not None:
             hops = [self.group(k - 1, k) for k in range(inner + 1, outer + 1)]
-            return self.qgz(buf, hops, self.topo, op, key=(inner, outer), segments=self.segments)
+            return self.qgz(buf, hops, self.topo, op, key=(inner, outer), segments=self.cols)
         if self.cc:
             return H.reduce_scatter(buf, inner, outer, self._hop, self.topo, op)
         out = torch.empty(self.S // self.size(outer), dtype=buf.dtype, device=self.device)
@@ -446,7 +443,6 @@ class FlatGroup:
         # the masters' gradients may be views of the accumulator: hand it over, the next micro-step starts anew
         self.grad_acc = None
         self._add_to_master_grads(self.stream.hand_over(out.to(torch.float32)))
-        self.grad_pending = False
         self._marks = [None] * len(self.layouts)
 
     def _add_to_master_grads(self, band: torch.Tensor) -> None:
