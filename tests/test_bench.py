@@ -9,7 +9,6 @@ comm_stats within 5 % (the bench check).
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 
@@ -86,20 +85,9 @@ def test_cli_errors_are_one_line_with_exit_2(monkeypatch, capsys):
 
 def _netns_reason() -> str | None:
     """None if this process may create network namespaces, else why not."""
-    from tiershard.cluster import ClusterError, require_root_and_tools
+    from tiershard.cluster import namespaces_unavailable
 
-    if os.geteuid() != 0:
-        return "needs root (network namespaces)"
-    try:
-        tools = require_root_and_tools()
-    except ClusterError as err:
-        return str(err)
-    probe = f"ts-bprobe{os.getpid()}-sw"
-    made = subprocess.run([tools["ip"], "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"`ip netns add` is not allowed here: {made.stderr.strip()}"
-    subprocess.run([tools["ip"], "netns", "del", probe], capture_output=True)
-    return None
+    return namespaces_unavailable("bprobe")
 
 
 def test_emulated_cluster_nic_bytes_agree_with_comm_stats():

@@ -208,19 +208,10 @@ def test_existing_cluster_is_refused_or_replaced(monkeypatch, tmp_path):
 
 
 def _netns_works() -> str | None:
-    """None if this process can make network namespaces, else why not."""
-    if os.geteuid() != 0:
-        return "needs root (network namespaces)"
-    try:
-        tools = tc.require_root_and_tools()
-    except ClusterError as err:
-        return str(err)
-    probe = f"ts-probe{os.getpid()}-sw"
-    made = subprocess.run([tools["ip"], "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"`ip netns add` is not allowed here: {made.stderr.strip()}"
-    subprocess.run([tools["ip"], "netns", "del", probe], capture_output=True)
-    return None
+    """None if this process may create network namespaces, else why not."""
+    from tiershard.cluster import namespaces_unavailable
+
+    return namespaces_unavailable("probe")
 
 
 def _ts_namespaces() -> set[str]:

@@ -266,6 +266,21 @@ def require_root_and_tools() -> dict[str, str]:
     return tools  # type: ignore[return-value]
 
 
+def namespaces_unavailable(tag: str = "probe") -> str | None:
+    """None if this process can create network namespaces (root, iproute2, a kernel that allows it), else why
+    not: one throwaway namespace is made and removed."""
+    try:
+        tools = require_root_and_tools()
+    except ClusterError as err:
+        return str(err)
+    probe = f"{PREFIX}{tag}{os.getpid()}-sw"
+    made = subprocess.run([tools["ip"], "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"`ip netns add` is not allowed here: {made.stderr.strip()}"
+    subprocess.run([tools["ip"], "netns", "del", probe], capture_output=True)
+    return None
+
+
 def _run(cmd: Sequence[str], tools: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
     """Run one ip/tc command in its own session, so a Ctrl-C at the terminal reaches only us (and our cleanup)."""
     argv = [tools.get(cmd[0], cmd[0]), *cmd[1:]]
