@@ -260,9 +260,15 @@ def _train(cfg: JobConfig, device: torch.device) -> dict:
                 metrics.write(rec)
                 progress.update(rec)
             if (step + 1) % tc.eval_interval == 0 or step + 1 == tc.steps:
+                ts.reset_comm_stats()
                 last_val = evaluate(model, val_sets, device)
+                val_tiers = ts.comm_stats()["tiers"]
+                val_bytes = torch.tensor([float(val_tiers.get(n, 0)) for n in topo.names], dtype=torch.float64,
+                                         device=device)
+                dist.all_reduce(val_bytes)
                 if lead:
-                    metrics.write({"kind": "val", "step": step, "val_loss": last_val})
+                    metrics.write({"kind": "val", "step": step, "val_loss": last_val,
+                                   "bytes": {n: int(b) for n, b in zip(topo.names, val_bytes.tolist())}})
                     progress.message(f"  validation loss {last_val:.4f} at step {step + 1}")
             if tc.save_every and ((step + 1) % tc.save_every == 0 or step + 1 == tc.steps):
                 extra = {"step": step + 1, "data": {"seed": tc.seed, "step": step + 1, "micro": 0},

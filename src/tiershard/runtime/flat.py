@@ -17,6 +17,12 @@ counter), and before a forward when a master shows a write: its version counter 
 ``torch.no_grad()``), or its ``.data`` was taken (``TierMaster``: writes through ``.data`` reach no version
 counter at all, so taking it is treated as a write).
 
+[Note: deferred rebuild] ``sync_params`` (after every optimizer step) only drops the derived copies; the
+level-p copy (``p_shard``, or the working tensors when p is replicated) is rebuilt from the masters inside the
+next gather's job on the stream. The boundary all-gather (os -> p) therefore runs where that gather runs: in the
+next forward, for each unit while the units before it compute (prefetch), instead of all of them blocking the
+optimizer step. Every rank still issues the same collectives in the same order (the forward order).
+
 [Note: gathering without bumping versions] Autograd saves the working tensors for backward. Gathers write
 through ``aliases``, tensors on the same storage with their own version counters, so refilling freed storage
 before backward does not trip autograd's in-place check.
@@ -109,6 +115,7 @@ class FlatGroup:
         self.stream = topo.comm_stream()
         self._gathering = None         # (future of the gathered matrix, exact): a gather in flight
         self._reducing = None          # future of this group's last reduction
+        self._rebuild = False          # the masters changed since p_shard (or, replicated, the working copy) was made
         self.weights_version = 0
         self.gathered_version = -1     # weights version the working tensors hold
         self.sync_params()
@@ -218,55 +225,62 @@ class FlatGroup:
 
     @torch.no_grad()
     def sync_params(self) -> None:
-        """Bring the masters back to the parameter level p; drop every derived copy."""
+        """The masters changed: drop every derived copy. The level-p copy is rebuilt by the next gather, on the
+        stream ([Note: deferred rebuild])."""
         self.stream.drain()
         self._gathering = None
-        pl = self.pl
         self.weights_version += 1
         self.hpz.clear()
         self._encoded_p = None
-        if not self.trainable:         # frozen masters already are the level-p copy (gathered from on use)
-            if pl.p == 0:
-                self.gathered_version = self.weights_version
-        else:
-            band = self._pack_masters(self.param_dtype)
-            if pl.p < pl.os:
-                level_p = torch.empty(self.S // self.size(pl.p), dtype=self.param_dtype, device=self.device)
-                self._all_gather(level_p, band, pl.p, pl.os, "param_sync")
-            else:
-                start, end = self.chunk_range(pl.p)
-                base, _ = self.chunk_range(pl.os)
-                level_p = band[start - base:end - base]
-            if pl.p == 0:
-                self._copy_out(level_p)
-                self.gathered_version = self.weights_version
-            else:
-                self.p_shard.copy_(level_p)     # working tensors in use are refilled by the next gather
+        if self.trainable:
+            self._rebuild = True
+        elif self.pl.p == 0:           # frozen and replicated: the masters are the working copy
+            self.gathered_version = self.weights_version
         self._synced_marks = self._master_marks()
         for m in self.masters:
             m.__dict__.pop("_tiershard_touched", None)
 
+    def _rebuild_level_p(self) -> torch.Tensor | None:
+        """(On the stream.) The masters brought to level p: the whole matrix when p is replicated, else written
+        into ``p_shard`` (returns None)."""
+        pl = self.pl
+        band = self._pack_masters(self.param_dtype)
+        if pl.p < pl.os:
+            level_p = torch.empty(self.S // self.size(pl.p), dtype=self.param_dtype, device=self.device)
+            self._all_gather(level_p, band, pl.p, pl.os, "param_sync")
+        else:
+            start, end = self.chunk_range(pl.p)
+            base, _ = self.chunk_range(pl.os)
+            level_p = band[start - base:end - base]
+        if pl.p == 0:
+            return level_p
+        self.p_shard.copy_(level_p)
+        return None
+
     def gather_start(self, op: str, exact: bool = False) -> None:
         """Issue the gather of the working weights on the stream (a prefetch when nobody waits for it yet):
-        from the finest valid copy, an hpz band of the current weights, else the level-p band. ``exact``: skip
-        qwZ and the hpz bands (forwards under no_grad, when asked for)."""
+        from the finest valid copy, an hpz band of the current weights, else the level-p band, rebuilt first
+        when the masters changed. ``exact``: skip qwZ and the hpz bands (forwards under no_grad, when asked)."""
+        replicated = self.pl.p == 0
         if self._gathering is not None:
-            if self._gathering[1] == exact:
+            if self._gathering[1] == exact or replicated:   # a replicated rebuild is exact either way
                 return
             self._gathering[0].result()            # a prefetch of the other kind: let it finish, unused
             self._gathering = None
-        if self.pl.p == 0 or self.gathered_version == self.weights_version and not exact:
+        rebuild = self._rebuild
+        if not rebuild and (replicated or self.gathered_version == self.weights_version and not exact):
             return                         # replicated weights are always there, and exact (no qwz on them)
+        self._rebuild = False
         pl = self.pl
         level, source = pl.p, self.p_shard if self.trainable else None
-        for h in () if exact else pl.hpz:   # sorted innermost first: the smallest group wins
+        for h in () if exact or rebuild else pl.hpz:   # sorted innermost first: the smallest group wins
             cached = self.hpz.get(h)
             if cached is not None and cached[0] == self.weights_version:
                 level, source = h, cached[1]
                 break
         if level == pl.p and source is None:
             source = self._pack_masters(self.param_dtype)
-        future = self.stream.submit(self._gather_matrix, op, exact, level, source, self.weights_version)
+        future = self.stream.submit(self._gather_matrix, op, exact, level, source, self.weights_version, rebuild)
         self._gathering = (future, exact)
 
     def gather_finish(self) -> None:
@@ -280,16 +294,23 @@ class FlatGroup:
                 w.untyped_storage().resize_(w.numel() * w.element_size())
             self.allocated = True
         self._copy_out(full)
-        self.gathered_version = -1 if exact else version    # an exact copy is not reused
+        # an exact copy is not reused under qwz; a replicated copy is always exact and stays until the next step
+        self.gathered_version = version if self.pl.p == 0 or not exact else -1
 
     @torch.no_grad()
     def gather(self, op: str, exact: bool = False) -> None:
         self.gather_start(op, exact)
         self.gather_finish()
 
-    def _gather_matrix(self, op: str, exact: bool, level: int, source: torch.Tensor, version: int):
-        """(On the stream.) The whole (slots x U) matrix of the weights, and the hpz bands it leaves behind."""
+    def _gather_matrix(self, op: str, exact: bool, level: int, source: torch.Tensor, version: int,
+                       rebuild: bool = False):
+        """(On the stream.) The whole (slots x U) matrix of the weights, and the hpz bands it leaves behind;
+        with ``rebuild`` the level-p copy is made from the masters first."""
         pl = self.pl
+        if rebuild:
+            level_p = self._rebuild_level_p()
+            if level_p is not None:        # replicated: the rebuilt copy is the whole matrix
+                return self.stream.hand_over(level_p), version
         full = torch.empty(self.S, dtype=self.param_dtype, device=self.device)
         encoded = None
         if self.qwz is None or exact:
