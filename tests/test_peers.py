@@ -18,7 +18,7 @@ from _dist import run_ranks
 WORLD, PER_RANK = 4, 2
 CFG = gpt_config("tiny")
 KW = dict(steps=3, micro_steps=2, seq=16, optimizer="sgd", lr=1.0)
-FSDP2 = ["fsdp2", "fsdp2-hpz", "fsdp2-hsdp", "fsdp2-hsdp-ar"]
+FSDP2 = ["fsdp2", "fsdp2-rs", "fsdp2-hpz", "fsdp2-hsdp", "fsdp2-hsdp-ar"]
 DEEPSPEED = ["deepspeed-zero3", "deepspeed-hpz"]
 
 

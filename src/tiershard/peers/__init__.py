@@ -10,6 +10,8 @@ system              what runs
 ``single``          this process alone, unsharded, on all ``batch_per_rank`` rows (the oracle: call it with
                     ``batch_per_rank = world x per-rank rows`` to reproduce a sharded run's global batch)
 ``fsdp2``           torch FSDP2 ``fully_shard`` per block and the root on a 1-D mesh: ZeRO-3
+``fsdp2-rs``        ``fsdp2`` reducing every micro-step (no ``set_requires_gradient_sync``): sharded gradients
+                    between micro-steps, like tiershard ``zero3``; ``fsdp2`` keeps them unsharded (``GNG``)
 ``fsdp2-hpz``       ``fully_shard(reshard_after_forward=ranks_per_node)``: backward gathers inside the node
 ``fsdp2-hsdp``      HSDP, a (nodes, ranks_per_node) mesh replicating x sharding; non-final micro-steps skip all
                     gradient sync (``set_requires_gradient_sync(False)``)
@@ -44,7 +46,7 @@ from ..models.gpt import GPT, Block, GPTConfig, lm_loss
 
 __all__ = ["SYSTEMS", "Setup", "Runner", "Trainer", "make_trainer", "train_steps", "step_batch", "interleaved"]
 
-SYSTEMS: tuple[str, ...] = ("single", "fsdp2", "fsdp2-hpz", "fsdp2-hsdp", "fsdp2-hsdp-ar",
+SYSTEMS: tuple[str, ...] = ("single", "fsdp2", "fsdp2-rs", "fsdp2-hpz", "fsdp2-hsdp", "fsdp2-hsdp-ar",
                             "deepspeed-zero3", "deepspeed-hpz", "tiershard:PLAN")
 
 

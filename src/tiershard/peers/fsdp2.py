@@ -15,18 +15,21 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from . import Runner, Setup
 
-VARIANTS = ("fsdp2", "fsdp2-hpz", "fsdp2-hsdp", "fsdp2-hsdp-ar")
+VARIANTS = ("fsdp2", "fsdp2-rs", "fsdp2-hpz", "fsdp2-hsdp", "fsdp2-hsdp-ar")
 
 
 class FSDP2Runner(Runner):
-    """Non-final micro-steps skip the reduce-scatter, or with ``all_reduce_only`` just HSDP's all-reduce."""
+    """Non-final micro-steps skip the reduce-scatter, or with ``all_reduce_only`` just HSDP's all-reduce; with
+    ``sync_every_micro_step`` none is skipped (gradients reduce-scattered every micro-step, as torchtitan does)."""
 
-    def __init__(self, model, optimizer, setup: Setup, all_reduce_only: bool):
+    def __init__(self, model, optimizer, setup: Setup, all_reduce_only: bool, sync_every_micro_step: bool):
         super().__init__(model, optimizer, setup)
         self.all_reduce_only = all_reduce_only
+        self.sync_every_micro_step = sync_every_micro_step
 
     def micro_step(self, last: bool) -> ContextManager:
-        if self.setup.micro_steps > 1:   # set on every micro-step: the boundary turns sync back on
+        # set on every micro-step: the boundary turns sync back on
+        if self.setup.micro_steps > 1 and not self.sync_every_micro_step:
             if self.all_reduce_only:
                 self.model.set_requires_all_reduce(last)
             else:
@@ -52,4 +55,5 @@ def build(setup: Setup) -> Runner:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)   # root: kept gathered after forward, as FSDP2 defaults
     return FSDP2Runner(model, setup.optimizer(model.parameters()), setup,
-                       all_reduce_only=setup.system == "fsdp2-hsdp-ar")
+                       all_reduce_only=setup.system == "fsdp2-hsdp-ar",
+                       sync_every_micro_step=setup.system == "fsdp2-rs")
