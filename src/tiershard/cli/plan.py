@@ -194,7 +194,8 @@ def describe(model: ModelSpec, cluster: Cluster, job: Job) -> list[str]:
         f"{cluster.gpu_memory / 1e9:.3g} GB, {cluster.peak_flops / 1e12:.4g} TFLOPS peak",
         f"job     micro-batch {job.micro_batch} x seq {job.seq}, accum {job.accum}, recompute "
         f"{'on' if job.recompute else 'off'}, efficiency {job.efficiency:g}; micro-step comm hides behind up to "
-        f"{job.overlap:.0%} of compute, boundary comm is exposed",
+        f"{job.overlap:.0%} of compute, the parameter sync behind at most one forward, the boundary gradient sync is "
+        "exposed",
     ]
 
 

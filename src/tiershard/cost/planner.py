@@ -3,13 +3,16 @@
 [Note: overlap model] Per optimizer step of A micro-steps::
 
     compute  = A x tokens x (2Ψ forward [+ 2Ψ recompute] + 2Ψ input grads + 2Ψ' weight grads) / (peak x efficiency)
-    exposed  = max(0, micro-step comm - overlap x compute) + boundary comm
+    hidden   = min(parameter sync, overlap x forward of one micro-step)
+    exposed  = max(0, micro-step comm + hidden - overlap x compute) + boundary comm - hidden
     step     = compute + exposed
 
 Micro-step comm (parameter gathers, per-micro-step gradient reduction) runs beside compute and hides behind
-up to ``overlap`` of it (the cluster's measured value, ``tiershard probe``, else ``Job.overlap``); boundary comm (gradient sync at the accumulation boundary, the parameter sync
-after the optimizer step) waits for the last backward and the step, so it is fully exposed. The optimizer
-step's own time is left out (it is the same order for every plan that shards os alike).
+up to ``overlap`` of it (the cluster's measured value, ``tiershard probe``, else ``Job.overlap``). Boundary
+comm waits for the last backward: the gradient sync is fully exposed. The parameter sync after the optimizer
+step runs in the next forward, each unit's inside its gather ([Note: deferred rebuild], runtime/flat.py), so
+it hides behind at most the first micro-step's forward, out of the same overlap budget. The optimizer step's
+own time is left out (it is the same order for every plan that shards os alike).
 """
 from __future__ import annotations
 
@@ -86,6 +89,11 @@ def compute_seconds(model: ModelSpec, job: Job, cluster: Cluster) -> float:
     return job.tokens * per_token / (cluster.peak_flops * job.efficiency)
 
 
+def forward_seconds(model: ModelSpec, job: Job, cluster: Cluster) -> float:
+    """Seconds of one micro-step's forward on one device (what the deferred parameter sync can hide behind)."""
+    return job.tokens * 2 * model.params / (cluster.peak_flops * job.efficiency)
+
+
 def evaluate(plan: Plan | str, model: ModelSpec, cluster: Cluster, job: Job) -> Estimate:
     """Memory, bytes and step time of one plan; raises PlanError if the plan does not fit the topology."""
     plan = Plan.parse(plan) if isinstance(plan, str) else plan
@@ -95,6 +103,8 @@ def evaluate(plan: Plan | str, model: ModelSpec, cluster: Cluster, job: Job) -> 
     micro = sum(p.seconds for p in priced if p.micro)
     boundary = sum(p.seconds for p in priced if not p.micro)
     overlap = job.overlap if cluster.overlap is None else cluster.overlap
+    sync = sum(p.seconds for p in priced if p.collective.op == "param_sync")
+    hidden = min(sync, overlap * forward_seconds(model, job, cluster))
     tier_bytes: dict[str, int] = {}
     tier_seconds: dict[str, float] = {t.name: 0.0 for t in cluster.tiers}
     bandwidth = {t.name: t.bandwidth for t in cluster.tiers}
@@ -107,7 +117,7 @@ def evaluate(plan: Plan | str, model: ModelSpec, cluster: Cluster, job: Job) -> 
     return Estimate(
         plan=plan, memory=memory(pl, model, job), capacity=cluster.gpu_memory * (1 - job.memory_reserve),
         tier_bytes=tier_bytes, tier_seconds=tier_seconds, compute=compute, comm_micro=micro,
-        comm_boundary=boundary, step_time=compute + max(0.0, micro - overlap * compute) + boundary,
+        comm_boundary=boundary, step_time=compute + max(0.0, micro + hidden - overlap * compute) + boundary - hidden,
         world=cluster.world_size, group_sizes={t.name: s for t, s in zip(cluster.tiers, sizes)},
         model_flops=job.accum * job.tokens * (4 * model.params + 2 * model.trainable), overlap=overlap)
 
