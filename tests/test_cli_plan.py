@@ -35,7 +35,7 @@ def test_json_matches_the_flags(capsys):
     assert doc["job"]["accum"] == 4
     assert doc["evaluated"] == len(doc["plans"]) == 238       # --json shows all
     assert doc["plans"][0]["plan"] == doc["best"] and doc["plans"][0]["fits"]
-    steps = [p["step_time_s"] for p in doc["plans"] if p["fits"]]
+    steps = [float(f'{p["step_time_s"]:.6g}') for p in doc["plans"] if p["fits"]]   # ranked to 6 digits
     assert steps == sorted(steps)
     assert any(not p["fits"] and p["reason"].startswith("does not fit") for p in doc["plans"])
 
