@@ -807,8 +807,9 @@ def render_markdown(results: dict, command: str | None = None) -> str:
     lines += ["", "Ratios are step time / the peer's step time (below 1: faster). NIC MB: bytes the node's NIC "
               "sent per step (mean over nodes); comm_stats MB: the world tier of `ts.comm_stats()` summed over the "
               "node's ranks (our plans only). Floor: max(compute-only step, the node's larger NIC direction per "
-              "step / link rate). Peak MiB: the largest rise of a rank's resident memory while the system built "
-              "and trained its warm-up steps.", ""]
+              "step / link rate); uncapped floor: max(the same system's step uncapped at the same accumulation, "
+              "its link time), the CPU-bound step that a hidden link would leave. Peak MiB: the largest rise of a "
+              "rank's resident memory while the system built and trained its warm-up steps.", ""]
     for run in results["runs"]:
         lines += [f"## {run['rate']}, accum {run['accum']}", "",
                   f"compute-only step {run['compute_s'] * 1e3:.0f} ms; {run['tokens_per_step']:,} tokens per step; "

@@ -21,12 +21,11 @@ import shlex
 import sys
 from pathlib import Path
 
+from ..bench import DEFAULT_SYSTEMS, PEERS
 from . import CliError
 from .plan import one_line_errors
 
-DEFAULTS = dict(size="3.7M", systems="zero3,zero++,hsdp,IIG,NIG,auto,fsdp2,fsdp2-hsdp,fsdp2-hsdp-ar,fsdp2-hpz,"
-                                     "deepspeed-zero3,deepspeed-hpz",
-                accum="1,4", rates="250mbit,1gbit,none")
+DEFAULTS = dict(size="3.7M", systems=",".join(DEFAULT_SYSTEMS), accum="1,4", rates="250mbit,1gbit,none")
 
 
 def add_parser(subparsers) -> None:
@@ -37,8 +36,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
     p.add_argument("--systems", default=DEFAULTS["systems"],
                    help="comma list of our plans (any plan text, or auto: the planner's pick for this cluster, rate "
-                        "and accum) and peers (fsdp2, fsdp2-hsdp, fsdp2-hsdp-ar, fsdp2-hpz, deepspeed-zero3, "
-                        f"deepspeed-hpz); default {DEFAULTS['systems']}")
+                        f"and accum) and peers ({', '.join(PEERS)}); "
+                        f"default {DEFAULTS['systems']}")
     p.add_argument("--accum", default=DEFAULTS["accum"], help="micro-steps per optimizer step, comma list (default 1,4)")
     p.add_argument("--rates", default=DEFAULTS["rates"],
                    help="inter-node caps, tc rates (250mbit, 1gbit, ..., none); default 250mbit,1gbit,none")
