@@ -128,6 +128,11 @@ def _save_pretrained(rank, world, topo, out, folder):
     x = tokens(12, world)[:2]
     with torch.no_grad():
         logits = model(input_ids=x).logits
+    try:                                   # without state_dict=: refused with the recipe, nothing written
+        model.save_pretrained(f"{folder}/gpt2-plain")
+        out[("save_pretrained_plain",)] = "saved"
+    except ValueError as err:
+        out[("save_pretrained_plain",)] = str(err)
     if rank == 0:
         model.save_pretrained(f"{folder}/gpt2", state_dict=state)
     dist.barrier()
@@ -288,6 +293,12 @@ def test_generate_under_zeropp_sees_exact_weights(results):
 
 def test_save_pretrained_from_pretrained(results):
     assert all(res[("save_pretrained",)] <= 1e-5 for res in results), [res[("save_pretrained",)] for res in results]
+
+
+def test_save_pretrained_without_state_dict_names_the_recipe(results, tmp_path_factory):
+    for res in results:
+        assert "ts.full_state_dict(model, rank0_only=True)" in res[("save_pretrained_plain",)], res
+    assert not any(tmp_path_factory.getbasetemp().rglob("gpt2-plain"))   # refused before anything is written
 
 
 def test_meta_device_init(results):

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 from collections import Counter
 from typing import Iterator, Mapping
@@ -105,9 +107,39 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
         for group in engine.groups():
             group.sync_params()
     model._tiershard = engine
+    _guard_save_pretrained(model)
     model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: engine.settle())
     model.register_load_state_dict_pre_hook(lambda module, *args, **kwargs: engine.settle())
     return model
+
+
+_SAVE_PRETRAINED_RECIPE = ("on every rank `state = ts.full_state_dict(model, rank0_only=True)`, then on rank 0 "
+                           "`model.save_pretrained(path, state_dict=state)`")
+
+
+def _guard_save_pretrained(model: nn.Module) -> None:
+    """``save_pretrained`` (transformers, peft) without ``state_dict=`` writes ``model.state_dict()``, whose values
+    are DTensor shards here; safetensors then fails on their storage with a message that names neither the cause
+    nor the fix. Refuse first, naming the recipe (a collective gather inside it would hang the common
+    ``if rank == 0: model.save_pretrained(...)``)."""
+    save = getattr(model, "save_pretrained", None)
+    if not callable(save):
+        return
+
+    @functools.wraps(save)
+    def save_pretrained(*args, **kwargs):
+        given = kwargs.get("state_dict")
+        if given is None:
+            try:
+                given = inspect.signature(save).bind_partial(*args, **kwargs).arguments.get("state_dict")
+            except TypeError:
+                given = True               # let save_pretrained report its own argument error
+        if given is None:
+            raise ValueError("save_pretrained on a tiershard-sharded model needs the full weights, as with FSDP2: "
+                             + _SAVE_PRETRAINED_RECIPE)
+        return save(*args, **kwargs)
+
+    model.save_pretrained = save_pretrained
 
 
 def _target_device(model: nn.Module, device: torch.device | str | None) -> tuple[torch.device, bool]:
