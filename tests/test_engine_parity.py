@@ -15,6 +15,7 @@ stays fast. Oracles:
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -198,3 +199,30 @@ def test_all_plans_on_pairs_nodes_world():
                    "p=world,g=pair,os=N", "GGG+hpz=pair/node", "GGG+hpz=pair", "p=node,g=G,os=G+hpz=pair",
                    "GGG+hpz=pair/node+qwz+qgz", "p=node,g=pair,os=world+qgz", "GGG+cc", "p=N,g=pair,os=world+cc"]
     check(run_ranks(sweep, 8, (2, 4, 8), codes, []), codes, [], (2, 4, 8))
+
+
+def _boundary_precision(rank, world, plans):
+    """Per plan and accumulation: are all of this rank's master gradients representable in bf16?"""
+    import tiershard as ts
+
+    out = {}
+    for plan in plans:
+        for micro in (1, 2):
+            torch.manual_seed(0)
+            model = ts.shard(TinyGPT(), plan, ts.Topology((2, 4)), wrap={Block}, param_dtype=torch.bfloat16)
+            for i, tokens in enumerate(batches(3, 1, micro, world, PER_RANK)[0]):
+                local = tokens[rank * PER_RANK:(rank + 1) * PER_RANK]
+                with ts.no_sync(model) if i < micro - 1 else contextlib.nullcontext():
+                    loss_fn(model, local, micro).backward()
+            grads = [p.grad.to_local() for p in model.parameters()]
+            out[(plan, micro)] = all(torch.equal(g, g.to(torch.bfloat16).float()) for g in grads)
+    return out
+
+
+def test_bf16_reductions_accumulate_in_fp32_up_to_the_boundary():
+    """The micro-steps' bf16 reductions are summed in fp32 (docs/engine.md); where nothing is left to reduce at
+    the boundary (g = os = world) that sum becomes the gradient as it is, not rounded through bf16 again. One
+    micro-step gives bf16 values (scaled by 1/4, exact); two give sums that bf16 cannot hold."""
+    for res in run_ranks(_boundary_precision, 4, ["GGG", "NGG"]):
+        for plan in ("GGG", "NGG"):
+            assert res[(plan, 1)] and not res[(plan, 2)], (plan, res)

@@ -451,19 +451,23 @@ class FlatGroup:
     def _sync_grads(self) -> None:
         """At the accumulation boundary: finish the reduction over the world, at level os, into the masters' grads."""
         pl, top = self.pl, self.topo.num_levels - 1
-        buf = self.grad_acc.to(self.reduce_dtype)
-        if pl.g < pl.os:
-            out = self._reduce_scatter(buf, pl.g, pl.os, "grad_sync")
-            self._all_reduce(out, pl.os, top, "grad_sync")
-        else:
-            self._all_reduce(buf, pl.g, top, "grad_sync")
-            out = buf
-            if pl.g > pl.os:
-                out = torch.empty(self.S // self.size(pl.os), dtype=self.reduce_dtype, device=self.device)
-                self._all_gather(out, buf, pl.os, pl.g, "grad_sync")
         # the masters' gradients may be views of the accumulator: hand it over, the next micro-step starts anew
-        self.grad_acc = None
-        self._add_to_master_grads(self.stream.hand_over(out.to(torch.float32)))
+        acc, self.grad_acc = self.grad_acc, None
+        if pl.g == pl.os == top:       # reduced over the world already: the fp32 sum is the gradient (a round
+            out = acc                  # trip through reduce_dtype would only round the accumulation)
+        else:
+            buf = acc.to(self.reduce_dtype)
+            if pl.g < pl.os:
+                out = self._reduce_scatter(buf, pl.g, pl.os, "grad_sync")
+                self._all_reduce(out, pl.os, top, "grad_sync")
+            else:
+                self._all_reduce(buf, pl.g, top, "grad_sync")
+                out = buf
+                if pl.g > pl.os:
+                    out = torch.empty(self.S // self.size(pl.os), dtype=self.reduce_dtype, device=self.device)
+                    self._all_gather(out, buf, pl.os, pl.g, "grad_sync")
+            out = out.to(torch.float32)
+        self._add_to_master_grads(self.stream.hand_over(out))
         self._marks = [None] * len(self.layouts)
 
     def _add_to_master_grads(self, band: torch.Tensor) -> None:
