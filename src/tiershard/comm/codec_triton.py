@@ -64,15 +64,64 @@ def _store_scale(row, P4, j, scale):
 
 
 @triton.jit
-def _encode_fused(x_ptr, order_ptr, out_ptr, n, block, W, P4,
-                  HAS_ORDER: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0)
-    j = tl.program_id(1)
+def _load_scale(row, P4, b):
+    """Scales of blocks b (a tensor of block indices) of a wire row."""
+    return tl.load((row + P4).to(tl.pointer_type(tl.float32)) + b)
+
+
+@triton.jit
+def _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER: tl.constexpr):
+    """Where wire row i's chunk starts in x: chunk order[i] with an order, else chunk i."""
     if HAS_ORDER:
         c = tl.load(order_ptr + i).to(tl.int64)
     else:
         c = i.to(tl.int64)
-    src = x_ptr + c * n
+    return x_ptr + c * n
+
+
+@triton.jit
+def _tiled_block_scale(src, start, m, QMAX: tl.constexpr, TILE: tl.constexpr):
+    """The scale of the m values at src + start (a block of any size), read TILE values at a time."""
+    amax = tl.zeros([TILE], dtype=tl.float32)
+    bad = tl.zeros([TILE], dtype=tl.int32)
+    for t in range(0, m, TILE):
+        offs = t + tl.arange(0, TILE)
+        mask = offs < m
+        a = tl.abs(tl.load(src + start + offs, mask=mask, other=0.0).to(tl.float32))
+        amax = tl.maximum(amax, tl.where(mask, a, 0.0))
+        bad = bad + tl.where(mask & ~(a <= _FLT_MAX), 1, 0)
+    return _block_scale(tl.max(amax, axis=0), tl.max(bad, axis=0) > 0, QMAX)
+
+
+@triton.jit
+def _unpack(row, e, mask, BITS: tl.constexpr):
+    """The quantized values e (a tensor of value indices) of one wire row, as fp32 integers."""
+    if BITS == 8:
+        q = tl.load(row + e, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    else:
+        b = tl.load(row + e // 2, mask=mask, other=0).to(tl.int32)
+        q = tl.where(e % 2 == 0, b & 15, b >> 4).to(tl.float32) - 8.0
+    return q
+
+
+@triton.jit
+def _store_values(out, v, mask):
+    """Store fp32 values v in out's dtype; bf16 rounds to nearest even by hand, as torch and the CPU kernels do (a
+    nan comes from a nan scale)."""
+    if out.dtype.element_ty == tl.bfloat16:
+        b = v.to(tl.uint32, bitcast=True)
+        r = tl.where(v != v, 0x7FC0, (b + 0x7FFF + ((b >> 16) & 1)) >> 16)
+        tl.store(out, r.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(out, v.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _encode_fused(x_ptr, order_ptr, out_ptr, n, block, W, P4,
+                  HAS_ORDER: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
     row = out_ptr + i.to(tl.int64) * W
     start = j * block
     m = tl.minimum(block, n - start)
@@ -109,30 +158,12 @@ def _encode_scales(x_ptr, order_ptr, out_ptr, n, block, W, P4,
                    HAS_ORDER: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr):
     i = tl.program_id(0)
     j = tl.program_id(1)
-    if HAS_ORDER:
-        c = tl.load(order_ptr + i).to(tl.int64)
-    else:
-        c = i.to(tl.int64)
-    src = x_ptr + c * n
+    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
     start = j.to(tl.int64) * block
     m = tl.minimum(block, n - start)
     QMAX: tl.constexpr = 127 if BITS == 8 else 7
-    amax = tl.zeros([TILE], dtype=tl.float32)
-    bad = tl.zeros([TILE], dtype=tl.int32)
-    for t in range(0, m, TILE):
-        offs = t + tl.arange(0, TILE)
-        mask = offs < m
-        a = tl.abs(tl.load(src + start + offs, mask=mask, other=0.0).to(tl.float32))
-        amax = tl.maximum(amax, tl.where(mask, a, 0.0))
-        bad = bad + tl.where(mask & ~(a <= _FLT_MAX), 1, 0)
-    scale = _block_scale(tl.max(amax, axis=0), tl.max(bad, axis=0) > 0, QMAX)
+    scale = _tiled_block_scale(src, start, m, QMAX, TILE)
     _store_scale(out_ptr + i.to(tl.int64) * W, P4, j, scale)
-
-
-@triton.jit
-def _load_scale(row, P4, b):
-    """Scales of blocks b (a tensor of block indices) of a wire row."""
-    return tl.load((row + P4).to(tl.pointer_type(tl.float32)) + b)
 
 
 @triton.jit
@@ -141,11 +172,7 @@ def _encode_values(x_ptr, order_ptr, out_ptr, n, block, W, P4,
     """Quantize with the scales _encode_scales wrote: TILE values (int8) or TILE bytes of value pairs (int4)."""
     i = tl.program_id(0)
     t = tl.program_id(1)
-    if HAS_ORDER:
-        c = tl.load(order_ptr + i).to(tl.int64)
-    else:
-        c = i.to(tl.int64)
-    src = x_ptr + c * n
+    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
     row = out_ptr + i.to(tl.int64) * W
     offs = t.to(tl.int64) * TILE + tl.arange(0, TILE)
     QMAX: tl.constexpr = 127 if BITS == 8 else 7
@@ -170,13 +197,7 @@ def _encode_values(x_ptr, order_ptr, out_ptr, n, block, W, P4,
 @triton.jit
 def _dequant(row, P4, e, mask, block, BITS: tl.constexpr):
     """fp32 values e (a tensor of value indices) of one wire row."""
-    if BITS == 8:
-        q = tl.load(row + e, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-    else:
-        b = tl.load(row + e // 2, mask=mask, other=0).to(tl.int32)
-        q = tl.where(e % 2 == 0, b & 15, b >> 4).to(tl.float32) - 8.0
-    s = _load_scale(row, P4, tl.where(mask, e // block, 0))
-    return q * s
+    return _unpack(row, e, mask, BITS) * _load_scale(row, P4, tl.where(mask, e // block, 0))
 
 
 @triton.jit
@@ -185,13 +206,7 @@ def _decode(wire_ptr, out_ptr, n, block, W, P4, BITS: tl.constexpr, TILE: tl.con
     e = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
     mask = e < n
     v = _dequant(wire_ptr + i.to(tl.int64) * W, P4, e, mask, block, BITS)
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        # Round to nearest even by hand, as torch and the CPU kernels do (a nan comes from a nan scale).
-        b = v.to(tl.uint32, bitcast=True)
-        r = tl.where(v != v, 0x7FC0, (b + 0x7FFF + ((b >> 16) & 1)) >> 16)
-        tl.store(out_ptr + i.to(tl.int64) * n + e, r.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
-    else:
-        tl.store(out_ptr + i.to(tl.int64) * n + e, v.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_values(out_ptr + i.to(tl.int64) * n + e, v, mask)
 
 
 @triton.jit
@@ -299,11 +314,7 @@ def _encode_seg_fused(x_ptr, order_ptr, out_ptr, tab_ptr, n, nbr, U, nbt, W, P4,
                       HAS_ORDER: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1)
-    if HAS_ORDER:
-        c = tl.load(order_ptr + i).to(tl.int64)
-    else:
-        c = i.to(tl.int64)
-    src = x_ptr + c * n
+    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
     row = out_ptr + i.to(tl.int64) * W
     start, m = _seg_block(tab_ptr, j, nbr, U)
     QMAX: tl.constexpr = 127 if BITS == 8 else 7
@@ -329,22 +340,10 @@ def _encode_seg_scales(x_ptr, order_ptr, out_ptr, tab_ptr, n, nbr, U, W, P4,
                        HAS_ORDER: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1)
-    if HAS_ORDER:
-        c = tl.load(order_ptr + i).to(tl.int64)
-    else:
-        c = i.to(tl.int64)
-    src = x_ptr + c * n
+    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
     start, m = _seg_block(tab_ptr, j, nbr, U)
     QMAX: tl.constexpr = 127 if BITS == 8 else 7
-    amax = tl.zeros([TILE], dtype=tl.float32)
-    bad = tl.zeros([TILE], dtype=tl.int32)
-    for t in range(0, m, TILE):
-        offs = t + tl.arange(0, TILE)
-        mask = offs < m
-        a = tl.abs(tl.load(src + start + offs, mask=mask, other=0.0).to(tl.float32))
-        amax = tl.maximum(amax, tl.where(mask, a, 0.0))
-        bad = bad + tl.where(mask & ~(a <= _FLT_MAX), 1, 0)
-    scale = _block_scale(tl.max(amax, axis=0), tl.max(bad, axis=0) > 0, QMAX)
+    scale = _tiled_block_scale(src, start, m, QMAX, TILE)
     _store_scale(out_ptr + i.to(tl.int64) * W, P4, j, scale)
 
 
@@ -355,37 +354,28 @@ def _encode_seg_values(x_ptr, order_ptr, out_ptr, tab_ptr, n, nbr, U, nbt, W, P4
     j = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1)
     t = tl.program_id(2).to(tl.int64)
-    if HAS_ORDER:
-        c = tl.load(order_ptr + i).to(tl.int64)
-    else:
-        c = i.to(tl.int64)
-    src = x_ptr + c * n
+    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
     row = out_ptr + i.to(tl.int64) * W
     start, m = _seg_block(tab_ptr, j, nbr, U)
     end = start + m
     lo_v = start + t * TILE
     hi_v = tl.minimum(lo_v + TILE, end)
     QMAX: tl.constexpr = 127 if BITS == 8 else 7
-    scale = tl.load((row + P4).to(tl.pointer_type(tl.float32)) + j)
+    scale = _load_scale(row, P4, j)
     if BITS == 8:
         offs = lo_v + tl.arange(0, TILE)
         mask = offs < hi_v
         x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(row + offs, (_quant(x, scale, QMAX) & 0xFF).to(tl.uint8), mask=mask)
     else:
-        scale_next = tl.load((row + P4).to(tl.pointer_type(tl.float32)) + tl.minimum(j + 1, nbt - 1))
+        scale_next = _load_scale(row, P4, tl.minimum(j + 1, nbt - 1))
         _store_pairs(src, row, lo_v, hi_v, end, n, scale, scale_next, QMAX, TILE // 2)
 
 
 @triton.jit
 def _dequant_seg(row, P4, e, mask, j, BITS: tl.constexpr):
     """fp32 values e (value indices, all in block j) of one wire row."""
-    if BITS == 8:
-        q = tl.load(row + e, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-    else:
-        b = tl.load(row + e // 2, mask=mask, other=0).to(tl.int32)
-        q = tl.where(e % 2 == 0, b & 15, b >> 4).to(tl.float32) - 8.0
-    return q * tl.load((row + P4).to(tl.pointer_type(tl.float32)) + j)
+    return _unpack(row, e, mask, BITS) * _load_scale(row, P4, j)
 
 
 @triton.jit
@@ -397,12 +387,7 @@ def _decode_seg(wire_ptr, out_ptr, tab_ptr, n, nbr, U, W, P4, BITS: tl.constexpr
     mask = offs < m
     e = start + offs
     v = _dequant_seg(wire_ptr + i * W, P4, e, mask, j, BITS)
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        b = v.to(tl.uint32, bitcast=True)
-        r = tl.where(v != v, 0x7FC0, (b + 0x7FFF + ((b >> 16) & 1)) >> 16)
-        tl.store(out_ptr + i * n + e, r.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
-    else:
-        tl.store(out_ptr + i * n + e, v.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_values(out_ptr + i * n + e, v, mask)
 
 
 @triton.jit
