@@ -12,7 +12,7 @@ what the NICs see. Groups of one rank are a local copy and send nothing.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -118,3 +118,17 @@ def broadcast(buf: torch.Tensor, src: int, group: "TierGroup", topology: "Topolo
     if group.size == 1:
         return
     dist.broadcast(buf, src=src, group=group.pg)
+
+
+def wavefront(chunks: int, phases: Sequence["TierGroup"], issue: Callable[[int, "TierGroup"], tuple[Any, Any]],
+              finish: Callable[[int, "TierGroup", Any], None]) -> None:
+    """Run every phase (one collective per tier) over ``chunks`` column chunks as a pipeline: at tick t phase s
+    works on chunk t - s, so chunk c+1 crosses one tier while chunk c crosses the next. ``issue(c, group)``
+    starts phase ``group`` of chunk c asynchronously and returns (its work handle, what ``finish`` needs);
+    ``finish(c, group, that)`` runs once the handle completes, before the next tick."""
+    for tick in range(chunks + len(phases) - 1):
+        flying = [(c, group, issue(c, group)) for stage, group in enumerate(phases)
+                  for c in (tick - stage,) if 0 <= c < chunks]
+        for c, group, (work, started) in flying:
+            work.wait()
+            finish(c, group, started)

@@ -89,22 +89,20 @@ def _pipelined_reduce_scatter(buf: torch.Tensor, phases: list["TierGroup"], topo
     length = buf.numel() // rows
     spans = _chunks(length)
     state = [buf.view(rows, length)[:, a:b].contiguous() for a, b in spans]
-    for tick in range(len(spans) + len(phases) - 1):
-        flying = []
-        for stage, group in enumerate(phases):
-            c = tick - stage
-            if 0 <= c < len(spans):
-                k, x = group.size, state[c]
-                # rows in member order: member i owns slot slots[i], the i-th block of rows goes to it
-                send = x.view(k, -1).index_select(0, C._slot_index(group, x.device))
-                received = torch.empty_like(send)
-                work = dist.all_to_all_single(received, send, group=group.pg, async_op=True)
-                LEDGER.record(op, "reduce_scatter", group.ranks, send.numel() * send.element_size(), topology.rank,
-                              topology)
-                flying.append((c, k, x.shape, received, work))
-        for c, k, shape, received, work in flying:
-            work.wait()
-            state[c] = received.view(k, shape[0] // k, shape[1]).sum(dim=0, dtype=torch.float32).to(received.dtype)
+
+    def issue(c: int, group: "TierGroup"):
+        # rows in member order: member i owns slot slots[i], the i-th block of rows goes to it
+        send = state[c].view(group.size, -1).index_select(0, C._slot_index(group, buf.device))
+        received = torch.empty_like(send)
+        work = dist.all_to_all_single(received, send, group=group.pg, async_op=True)
+        LEDGER.record(op, "reduce_scatter", group.ranks, send.numel() * send.element_size(), topology.rank, topology)
+        return work, received
+
+    def finish(c: int, group: "TierGroup", received: torch.Tensor) -> None:
+        k, (height, width) = group.size, state[c].shape
+        state[c] = received.view(k, height // k, width).sum(dim=0, dtype=torch.float32).to(received.dtype)
+
+    C.wavefront(len(spans), phases, issue, finish)
     out = torch.empty(length, dtype=buf.dtype, device=buf.device)
     for (a, b), part in zip(spans, state):
         out[a:b] = part.view(-1)
@@ -116,23 +114,23 @@ def _pipelined_all_gather(out: torch.Tensor, shard: torch.Tensor, phases: list["
     rows, length = math.prod(g.size for g in phases), shard.numel()
     spans = _chunks(length)
     state = [shard[a:b].reshape(1, -1).contiguous() for a, b in spans]
-    for tick in range(len(spans) + len(phases) - 1):
-        flying = []
-        for stage, group in enumerate(phases):
-            c = tick - stage
-            if 0 <= c < len(spans):
-                x = state[c]
-                gathered = torch.empty(group.size * x.numel(), dtype=x.dtype, device=x.device)
-                work = C._all_gather_flat(gathered, x.view(-1), group=group.pg, async_op=True)
-                LEDGER.record(op, "all_gather", group.ranks, gathered.numel() * gathered.element_size(),
-                              topology.rank, topology)
-                flying.append((c, group, x.shape, gathered, work))
-        for c, group, shape, gathered, work in flying:
-            work.wait()
-            by_rank = gathered.view(group.size, shape[0], shape[1])
-            ordered = torch.empty_like(by_rank)
-            ordered.index_copy_(0, C._slot_index(group, gathered.device), by_rank)
-            state[c] = ordered.view(group.size * shape[0], shape[1])
+
+    def issue(c: int, group: "TierGroup"):
+        x = state[c]
+        gathered = torch.empty(group.size * x.numel(), dtype=x.dtype, device=x.device)
+        work = C._all_gather_flat(gathered, x.view(-1), group=group.pg, async_op=True)
+        LEDGER.record(op, "all_gather", group.ranks, gathered.numel() * gathered.element_size(), topology.rank,
+                      topology)
+        return work, gathered
+
+    def finish(c: int, group: "TierGroup", gathered: torch.Tensor) -> None:
+        height, width = state[c].shape
+        by_rank = gathered.view(group.size, height, width)
+        ordered = torch.empty_like(by_rank)
+        ordered.index_copy_(0, C._slot_index(group, gathered.device), by_rank)
+        state[c] = ordered.view(group.size * height, width)
+
+    C.wavefront(len(spans), phases, issue, finish)
     view = out.view(rows, length)
     for (a, b), part in zip(spans, state):
         view[:, a:b] = part

@@ -119,21 +119,19 @@ class QuantizedReduceScatter:
         rows = buf.numel() // width
         starts = [sum(sum(r) for r in runs[:i]) for i in range(len(runs))]
         state = [buf.view(rows, width)[:, a:a + sum(r)].contiguous().view(-1) for a, r in zip(starts, runs)]
-        for tick in range(len(runs) + len(hops) - 1):
-            flying = []
-            for stage, group in enumerate(hops):
-                c = tick - stage
-                if 0 <= c < len(runs):
-                    k = group.size
-                    order = C._slot_index(group, buf.device)
-                    wire = codec.encode_wire(state[c], k, order=order, segments=runs[c])
-                    received = torch.empty_like(wire)
-                    work = dist.all_to_all_single(received, wire, group=group.pg, async_op=True)
-                    LEDGER.record(op, "all_to_all", group.ranks, wire.numel(), topology.rank, topology)
-                    flying.append((c, k, received, work))
-            for c, k, received, work in flying:
-                work.wait()
-                state[c] = codec.decode_wire_sum(received, k, state[c].numel() // k, segments=runs[c])
+
+        def issue(c: int, group: "TierGroup"):
+            wire = codec.encode_wire(state[c], group.size, order=C._slot_index(group, buf.device), segments=runs[c])
+            received = torch.empty_like(wire)
+            work = dist.all_to_all_single(received, wire, group=group.pg, async_op=True)
+            LEDGER.record(op, "all_to_all", group.ranks, wire.numel(), topology.rank, topology)
+            return work, received
+
+        def finish(c: int, group: "TierGroup", received: torch.Tensor) -> None:
+            k = group.size
+            state[c] = codec.decode_wire_sum(received, k, state[c].numel() // k, segments=runs[c])
+
+        C.wavefront(len(runs), hops, issue, finish)
         out_rows = rows // math.prod(group.size for group in hops)
         out = torch.empty(out_rows, width, dtype=torch.float32, device=buf.device)
         for a, r, part in zip(starts, runs, state):
