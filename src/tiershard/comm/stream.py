@@ -12,8 +12,9 @@ On CUDA the thread waits for the work submitted before it (an event recorded on 
 on a stream of its own, and finishes with a host sync of that stream: the main thread never blocks on the
 device, and a buffer handed back is complete. A buffer the thread allocates and the main stream goes on using
 (a gathered unit, the gradients it writes) is marked with ``hand_over``, so the caching allocator does not give
-its memory back to the communication stream while the main stream's kernels may still read it. ``inline=True`` runs everything on the caller's thread at
-submission: the synchronous schedule, the reference the overlapped one must match bit for bit.
+its memory back to the communication stream while the main stream's kernels may still read it.
+``inline=True`` runs everything on the caller's thread at submission: the synchronous schedule, the reference
+the overlapped one must match bit for bit.
 """
 from __future__ import annotations
 
@@ -78,7 +79,3 @@ class CommStream:
         pending, self._pending = self._pending, []
         for future in pending:
             future.result()
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)

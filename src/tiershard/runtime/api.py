@@ -68,6 +68,8 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
     specs = find_units(model, wrap)
     params = [entry for spec in specs for entry in spec.params]
     device, meta = _target_device(model, device)
+    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+        raise ValueError(f"prefetch={prefetch!r} must be a non-negative integer (units gathered ahead; 0 = none)")
     if init is not None and not meta:
         raise ValueError("init= replays initialisation for a model built on the meta device; this model already "
                          "has its weights: drop init=, or build it under torch.device('meta')")
@@ -80,10 +82,8 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
     _check_same_everywhere(params)
     if not meta:
         _broadcast_buffers(model)
-    dtypes = {}
 
-    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
-        raise ValueError(f"prefetch={prefetch!r} must be a non-negative integer (units gathered ahead; 0 = none)")
+    dtypes = {}
     engine = Engine(model, placement, param_dtype, reduce_dtype, device, qwz_eval, prefetch)
     for spec in specs:
         groups = []

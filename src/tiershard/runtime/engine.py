@@ -16,7 +16,8 @@
                         its trainable groups are reduced: frozen layers below the first adapter)
     end of backward     reduce the trainable groups not reduced yet (zeros for unused ones, so every rank runs
                         the same collectives), release everything, reset the per-backward state
-    optimizer.step()    a global post-step hook rebuilds the working copies of every group it stepped
+    optimizer.step()    a global post-step hook marks the working copies of every group it stepped stale; the
+                        unit's next gather rebuilds them ([Note: deferred rebuild], flat.py)
 
 [Note: what the module shows] Between forward/backward the module's parameters are the masters (DTensors);
 inside a unit's forward and backward they are its working tensors (plain tensors of the original shapes).
@@ -101,17 +102,16 @@ class Unit:
                 for module, name in layout.uses:
                     module._parameters[name] = tensor
 
-    def gather(self, op: str, exact: bool = False) -> None:
-        for group in self.groups:
-            group.gather_start(op, exact)
-        for group in self.groups:
-            group.gather_finish()
-        self._show(working=True)
-
     def prefetch(self, op: str, exact: bool = False) -> None:
         """Issue this unit's gather now; the unit waits for it when it runs."""
         for group in self.groups:
             group.gather_start(op, exact)
+
+    def gather(self, op: str, exact: bool = False) -> None:
+        self.prefetch(op, exact)
+        for group in self.groups:
+            group.gather_finish()
+        self._show(working=True)
 
     def release(self) -> None:
         self._show(working=False)
@@ -298,7 +298,7 @@ class Engine:
         self._backward_queued = False
 
     def sync_stepped(self, stepped: set[int]) -> None:
-        """Rebuild the working copies of every group whose masters an optimizer just stepped."""
+        """Mark stale the working copies of every group whose masters an optimizer just stepped."""
         self.settle()
         for group in self.groups():
             if any(id(m) in stepped for m in group.masters):
