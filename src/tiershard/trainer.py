@@ -246,29 +246,22 @@ def _train(cfg: JobConfig, device: torch.device) -> dict:
             norm = ts.clip_grad_norm_(model, tc.clip if tc.clip > 0 else math.inf)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            tiers = ts.comm_stats()["tiers"]
-            vec = torch.tensor([loss_sum / tc.accum] + [float(tiers.get(n, 0)) for n in topo.names],
-                               dtype=torch.float64, device=device)
-            dist.all_reduce(vec)
+            (loss_total,), step_bytes = _summed_over_ranks([loss_sum / tc.accum], topo, device)
             dt = time.perf_counter() - t0
             if step > start:  # the first step pays for lazy set-up; throughput leaves it out
                 timed_tokens, timed_seconds = timed_tokens + step_tokens, timed_seconds + dt
             if lead:
-                rec = {"kind": "train", "step": step, "loss": vec[0].item() / world, "lr": lr,
+                rec = {"kind": "train", "step": step, "loss": loss_total / world, "lr": lr,
                        "grad_norm": float(norm), "tokens_per_s": step_tokens / dt, "seconds": dt,
-                       "bytes": {n: int(b) for n, b in zip(topo.names, vec[1:].tolist())}}
+                       "bytes": step_bytes}
                 metrics.write(rec)
                 progress.update(rec)
             if (step + 1) % tc.eval_interval == 0 or step + 1 == tc.steps:
                 ts.reset_comm_stats()
                 last_val = evaluate(model, val_sets, device)
-                val_tiers = ts.comm_stats()["tiers"]
-                val_bytes = torch.tensor([float(val_tiers.get(n, 0)) for n in topo.names], dtype=torch.float64,
-                                         device=device)
-                dist.all_reduce(val_bytes)
+                _, val_bytes = _summed_over_ranks([], topo, device)
                 if lead:
-                    metrics.write({"kind": "val", "step": step, "val_loss": last_val,
-                                   "bytes": {n: int(b) for n, b in zip(topo.names, val_bytes.tolist())}})
+                    metrics.write({"kind": "val", "step": step, "val_loss": last_val, "bytes": val_bytes})
                     progress.message(f"  validation loss {last_val:.4f} at step {step + 1}")
             if tc.save_every and ((step + 1) % tc.save_every == 0 or step + 1 == tc.steps):
                 extra = {"step": step + 1, "data": {"seed": tc.seed, "step": step + 1, "micro": 0},
@@ -341,6 +334,17 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 @torch.no_grad()
+def _summed_over_ranks(values: list[float], topo: ts.Topology,
+                       device: torch.device) -> tuple[list[float], dict[str, int]]:
+    """``values`` and this rank's ``ts.comm_stats()`` bytes per tier since the last reset, each summed over all
+    ranks in one all-reduce."""
+    tiers = ts.comm_stats()["tiers"]
+    vec = torch.tensor(values + [float(tiers.get(n, 0)) for n in topo.names], dtype=torch.float64, device=device)
+    dist.all_reduce(vec)
+    summed = vec.tolist()
+    return summed[:len(values)], {n: int(b) for n, b in zip(topo.names, summed[len(values):])}
+
+
 def evaluate(model: torch.nn.Module, batches, device: torch.device) -> float:
     """Mean validation loss over every rank's share of the fixed validation batches."""
     model.eval()
