@@ -33,7 +33,7 @@ def _ranks(rank: int, world: int, sizes: dict, root: str, rounds: int) -> dict:
     import torch.distributed as dist
 
     import tiershard as ts
-    from tiershard.models import GPT, Block, gpt_config, lm_loss
+    from tiershard.train.models import GPT, Block, gpt_config, lm_loss
 
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny", **sizes))
@@ -91,7 +91,7 @@ def _plain(checkpoint: Path, root: Path, rounds: int) -> tuple[list[float], list
 
 
 def main() -> None:
-    from tiershard.local import run_local
+    from tiershard.cluster.local import run_local
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="26M,100M", help="comma-separated: " + ", ".join(MODELS))

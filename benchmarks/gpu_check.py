@@ -68,7 +68,7 @@ class _Null:
 
 def main() -> int:
     import tiershard as ts
-    from tiershard.models import GPT, Block, gpt_config
+    from tiershard.train.models import GPT, Block, gpt_config
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plans", default=",".join(EXACT + QUANTIZED))

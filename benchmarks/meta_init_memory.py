@@ -21,7 +21,7 @@ def run(rank: int, world: int, mode: str, layers: int, width: int) -> dict:
     import torch
 
     import tiershard as ts
-    from tiershard.models import GPT, Block, gpt_config
+    from tiershard.train.models import GPT, Block, gpt_config
 
     cfg = gpt_config("small", n_layer=layers, n_embd=width, n_head=width // 64, vocab_size=8192, block_size=256)
     ts.shard(GPT(gpt_config("tiny")), "GGG", ts.Topology((2, world)), wrap={Block})   # warm-up: groups, meshes
@@ -42,7 +42,7 @@ def run(rank: int, world: int, mode: str, layers: int, width: int) -> dict:
 
 
 def main() -> None:
-    from tiershard.local import run_local
+    from tiershard.cluster.local import run_local
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=12)

@@ -4,7 +4,7 @@
     python benchmarks/paper_tables.py --write docs/paper-tables.md   # refresh the generated blocks in place
     python benchmarks/paper_tables.py --check docs/paper-tables.md   # exit 1 if the doc is stale
 
-Every number comes from ``tiershard.cost`` with the cluster presets of ``tiershard.clusters`` and the default
+Every number comes from ``tiershard.cost`` with the cluster presets of ``tiershard.cost.presets`` and the default
 ``Job`` (bf16 weights and reduction, 12 B/param Adam, 50% of peak in compute, 80% overlap, recompute on),
 changed only where a table says so. The papers' numbers are quoted from reference/papers.md.
 """
@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from tiershard import clusters
+from tiershard.cost import presets as clusters
 from tiershard.comm.codecs import DEFAULT_BLOCKS
 from tiershard.cost import Cluster, Estimate, Job, ModelSpec, candidate_plans, evaluate, price_plan, rank_plans
 from tiershard.plan import Plan
@@ -73,7 +73,7 @@ def zeropp_volume() -> str:
     b8, b4 = DEFAULT_BLOCKS[8], DEFAULT_BLOCKS[4]
     return table(["plan", "A", "fwd gather", "bwd gather", "grad reduce", "total", "paper (M)"], rows) + \
         f"\n\nScales: int8 blocks of {b8} add {400 / b8:.2g}% to the weight payload, int4 blocks of {b4} add " \
-        f"{800 / b4:.3g}% to the gradient payload (comm/codecs.py defaults)."
+        f"{800 / b4:.3g}% to the gradient payload (`comm/codecs/` defaults)."
 
 
 def zeropp_throughput() -> str:

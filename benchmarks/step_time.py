@@ -2,7 +2,7 @@
 
 4 gloo ranks on loopback as 2 nodes of 2, bf16 gathers, compute and reductions (fp32 masters), AdamW,
 2 micro-steps per optimizer step (non-final ones in ``ts.no_sync`` or FSDP2's equivalent). Every system is
-trained by ``tiershard.peers`` (the same ``Trainer.train`` loop; tiershard through its public API as system
+trained by ``tiershard.bench.peers`` (the same ``Trainer.train`` loop; tiershard through its public API as system
 ``tiershard:PLAN``), systems alternate round by round, warm-up steps are excluded, and the table gives the
 median over measured steps of the slowest rank's step time.
 
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from tiershard.models.gpt import GPTConfig, gpt_config
+from tiershard.train.models.gpt import GPTConfig, gpt_config
 
 # vocab and sequence picked so the counts land near 3.7M and 26M parameters
 SIZES: dict[str, GPTConfig] = {
@@ -54,8 +54,8 @@ def table(results: dict[str, dict]) -> str:
 
 
 def main() -> None:
-    from tiershard.local import run_local
-    from tiershard.peers import interleaved
+    from tiershard.cluster.local import run_local
+    from tiershard.bench.peers import interleaved
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)

@@ -45,7 +45,7 @@ def main() -> None:
 
     import torch.distributed as dist
 
-    from tiershard.local import free_port
+    from tiershard.cluster.local import free_port
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=64)

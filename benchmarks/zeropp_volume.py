@@ -16,8 +16,8 @@ PLANS = ["zero3", "zero++", "GGG+qwz", "GGG+hpz", "GGG+qgz", "IIG", "NIG", "hsdp
 
 
 def main() -> None:
-    from tiershard.local import run_local
-    from tiershard.measure import cross_node_volume
+    from tiershard.cluster.local import run_local
+    from tiershard.bench.measure import cross_node_volume
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import tiershard as ts
-from tiershard.models import GPT, Block, gpt_config, lm_loss
+from tiershard.train.models import GPT, Block, gpt_config, lm_loss
 
 
 def build(plan: str, seed: int):

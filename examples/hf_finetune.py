@@ -20,7 +20,8 @@ import torch.distributed as dist
 import transformers
 
 import tiershard as ts
-from tiershard import cost, data
+from tiershard import cost
+from tiershard.train import data
 
 SEQ, VOCAB = 64, 256
 

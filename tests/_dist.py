@@ -1,2 +1,2 @@
 """The suite launches its ranks with the package's own local launcher."""
-from tiershard.local import free_port, run_local as run_ranks  # noqa: F401
+from tiershard.cluster.local import free_port, run_local as run_ranks  # noqa: F401

@@ -4,9 +4,14 @@ Public contract (DESIGN.md section 3)::
 
     topo = ts.Topology((2, 4)); plan = ts.Plan.parse("IIG")
     model = ts.shard(model, plan, topo, wrap={Block})
+
+The package root holds the core concepts (``topology``, ``plan``) and this facade; each part has its folder
+(docs/layout.md): ``comm/``, ``runtime/``, ``cost/``, ``checkpoint/``, and the tools ``train/``, ``bench/``,
+``cluster/``, ``cli/``.
 """
 from __future__ import annotations
 
+from . import _moved
 from .comm.ledger import comm_stats, reset_comm_stats
 from .plan import Plan, PlanError
 from .topology import Topology, TopologyError
@@ -16,6 +21,19 @@ __all__ = [
     "CheckpointError",
     "shard", "no_sync", "clip_grad_norm_", "full_state_dict", "load_full_state_dict", "memory_stats",
 ]
+
+_moved.install()
+
+
+def _auto_plan(*args, **kwargs) -> Plan:
+    """The fastest plan that fits in memory, as predicted by the cost model: ``tiershard.cost.auto_plan``."""
+    from .cost import auto_plan
+
+    return auto_plan(*args, **kwargs)
+
+
+# ``ts.Plan.auto``: attached here, above both, because plans sit below the cost model and never import it.
+Plan.auto = staticmethod(_auto_plan)
 
 
 def __getattr__(name: str):

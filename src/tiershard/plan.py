@@ -158,13 +158,6 @@ class Plan:
                             "use a plan that reduce-scatters, e.g. NIG+qgz")
         return Placement(self, topology, p, g, os_, tuple(sorted(hpz)))
 
-    @classmethod
-    def auto(cls, *args, **kwargs) -> "Plan":
-        """The fastest plan that fits in memory, as predicted by ``tiershard.cost``."""
-        from . import cost
-
-        return cost.auto_plan(*args, **kwargs)
-
 
 @dataclass(frozen=True)
 class Placement:

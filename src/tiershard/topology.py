@@ -82,7 +82,6 @@ class Topology:
         self._groups: dict[tuple[int, int, int], TierGroup] = {}
         self._initialised = False
         self._mesh = None
-        self._stream = None
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -271,16 +270,6 @@ class Topology:
         from torch.distributed.device_mesh import DeviceMesh
 
         return DeviceMesh(device_type, self._grid(), mesh_dim_names=self.names)
-
-    def comm_stream(self):
-        """The FIFO every collective of this topology's groups runs through ([Note: one ordered stream])."""
-        if self._stream is None:
-            from .comm.stream import CommStream
-            import torch
-
-            self._stream = CommStream(torch.device(self.mesh.device_type, torch.cuda.current_device())
-                                      if self.mesh.device_type == "cuda" else torch.device("cpu"))
-        return self._stream
 
     @property
     def rank(self) -> int:

@@ -38,7 +38,8 @@ def add_parser(subparsers) -> None:
                    help="comma list of our plans (any plan text, or auto: the planner's pick for this cluster, rate "
                         f"and accum) and peers ({', '.join(PEERS)}); "
                         f"default {DEFAULTS['systems']}")
-    p.add_argument("--accum", default=DEFAULTS["accum"], help="micro-steps per optimizer step, comma list (default 1,4)")
+    p.add_argument("--accum", default=DEFAULTS["accum"],
+                   help="micro-steps per optimizer step, comma list (default 1,4)")
     p.add_argument("--rates", default=DEFAULTS["rates"],
                    help="inter-node caps, tc rates (250mbit, 1gbit, ..., none); default 250mbit,1gbit,none")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
@@ -73,7 +74,7 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 def config(args: argparse.Namespace):
     """The BenchConfig the arguments describe."""
     from ..bench import BenchConfig
-    from ..clusters import parse_bandwidth
+    from ..cost.presets import parse_bandwidth
 
     intra = None
     if args.intra_bw is not None:

@@ -63,7 +63,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cluster import ClusterError, LaunchError
+    from ..cluster.emulated import ClusterError, LaunchError
 
     try:
         return ACTIONS[args.action](args)
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from ..cluster import EmulatedCluster, _terminate_as_interrupt, format_rate
+    from ..cluster.emulated import EmulatedCluster, _terminate_as_interrupt, format_rate
 
     cluster = EmulatedCluster(args.nodes, args.ranks_per_node, args.inter_bw, name=args.name, replace=args.replace)
     with _terminate_as_interrupt():
@@ -87,7 +87,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from ..cluster import EmulatedCluster, down_all, list_clusters
+    from ..cluster.emulated import EmulatedCluster, down_all, list_clusters
 
     if args.all:
         names = down_all()
@@ -105,7 +105,7 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from ..cluster import EmulatedCluster, list_clusters
+    from ..cluster.emulated import EmulatedCluster, list_clusters
 
     names = [args.name] if args.name else list(list_clusters())
     if not names:
@@ -121,7 +121,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _describe(cluster) -> dict:
-    from ..cluster import IFNAME, format_rate
+    from ..cluster.emulated import IFNAME, format_rate
 
     caps, counts = cluster.link_caps(), cluster.nic_bytes()
     return {"name": cluster.name, "nodes": cluster.nodes, "ranks_per_node": cluster.ranks_per_node,
@@ -144,7 +144,7 @@ def _print_status(cluster) -> None:
 
 
 def _set_bw(args: argparse.Namespace) -> int:
-    from ..cluster import EmulatedCluster, format_rate, parse_rate
+    from ..cluster.emulated import EmulatedCluster, format_rate, parse_rate
 
     bits = parse_rate(args.rate)          # a bad rate is reported before touching the cluster
     cluster = EmulatedCluster.attach(args.name)
@@ -154,8 +154,8 @@ def _set_bw(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from ..cluster import EmulatedCluster, format_rate, summarize_allreduce
-    from ..clusters import parse_bytes
+    from ..cluster.emulated import EmulatedCluster, format_rate, summarize_allreduce
+    from ..cost.presets import parse_bytes
 
     try:
         nbytes = int(parse_bytes(args.size))
@@ -187,7 +187,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from ..cluster import EmulatedCluster
+    from ..cluster.emulated import EmulatedCluster
 
     argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not argv:

@@ -1,6 +1,6 @@
 """``tiershard convert``: a ``ts.save`` checkpoint to consolidated safetensors or ``torch.save`` weights.
 
-Runs in one process with no process group, reading one tensor at a time (see ``tiershard.convert``).
+Runs in one process with no process group, reading one tensor at a time (see ``tiershard.checkpoint.convert``).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .. import convert
+    from ..checkpoint import convert
     from ..checkpoint import CheckpointError
 
     if args.to not in FORMATS:

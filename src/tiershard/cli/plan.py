@@ -13,7 +13,7 @@ import sys
 from dataclasses import fields, replace
 from pathlib import Path
 
-from .. import clusters
+from ..cost import presets as clusters
 from ..cost import MODELS, Cluster, Estimate, Job, ModelSpec, coerce_model, no_plan_fits, rank_plans
 from ..plan import PlanError
 from ..topology import TopologyError

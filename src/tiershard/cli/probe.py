@@ -43,7 +43,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..clusters import parse_bytes
+    from ..cost.presets import parse_bytes
 
     try:
         sizes = [int(parse_bytes(s)) for s in args.sizes.split(",")]
@@ -180,6 +180,7 @@ def measure_device(topo, device) -> dict:
 
     from ..comm import collectives as C
     from ..comm.codecs import INT4, INT8
+    from ..comm.stream import stream_for
 
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -210,7 +211,7 @@ def measure_device(topo, device) -> dict:
     group = topo.group_for(topo.rank, 0, topo.num_levels - 1)
     shard = torch.ones(1 << 20, device=device)
     full = torch.empty(shard.numel() * group.size, device=device)
-    stream = topo.comm_stream()
+    stream = stream_for(topo)
     comm = timed(lambda: stream.run(C.all_gather, full, shard, group, topo, "probe"), 3)
     reps = max(1, round(comm / max(matmul, 1e-9)))
     compute = timed(lambda: [a @ b for _ in range(reps)], 2)

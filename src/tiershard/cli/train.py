@@ -88,7 +88,7 @@ def under_torchrun() -> bool:
 
 def load_config(args: argparse.Namespace):
     """The TOML file (if any) with the flags laid over it, as a validated JobConfig."""
-    from ..train_config import JobConfig, merge
+    from ..train.config import JobConfig, merge
 
     raw: dict[str, Any] = {}
     where = "the flags"
@@ -119,7 +119,7 @@ def check(cfg, topo):
     """
     from dataclasses import replace
 
-    from .. import data as data_mod
+    from ..train import data as data_mod
     from ..plan import Plan, PlanError
 
     if cfg.parallel.backend == "nccl":
@@ -167,7 +167,7 @@ def _auto_plan(cfg, topo) -> str:
                        "give a plan such as IIG or zero3") from None
     import torch
 
-    from ..models import GPT
+    from ..train.models import GPT
 
     if torch.cuda.is_available():
         memory, flops = torch.cuda.get_device_properties(0).total_memory, 1e14
@@ -204,7 +204,7 @@ def _env(**values: str) -> Iterator[None]:
 
 
 def _launch(cfg, topo) -> int:
-    from ..train_config import to_toml
+    from ..train.config import to_toml
 
     out = Path(cfg.train.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -245,8 +245,8 @@ def _free_port() -> int:
 
 def _run_rank(cfg) -> int:
     """One rank under torchrun: user errors the launcher could not catch become one line from rank 0."""
-    from .. import data as data_mod
-    from .. import trainer
+    from ..train import data as data_mod
+    from ..train import trainer
     from ..checkpoint import CheckpointError
     from ..plan import PlanError
     from ..topology import TopologyError

@@ -11,7 +11,7 @@ view the buffer as one row per finest piece (``K`` rows of ``L`` values; row ``r
 the member owning slot ``r``) and cut ``L``; every phase splits rows, never columns, so chunk c's inter-node
 phase runs while chunk c+1's intra-node phase does. A pipelined reduce-scatter phase is an all-to-all and a sum
 in place of the ring: inside one tier both send ``(k-1)/k`` of their input per rank over that tier's links, so
-``comm_stats`` and ``traffic.py`` count the same bytes, chunk by chunk.
+``comm_stats`` and ``cost/traffic.py`` count the same bytes, chunk by chunk.
 """
 from __future__ import annotations
 

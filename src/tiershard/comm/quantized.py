@@ -17,7 +17,7 @@ residual of the previous reduction to the next one before quantizing.
 (``pipeline_chunks``) and the hops run as a wavefront: while chunk c crosses the slow tier, chunk c+1 crosses
 the fast one, as ZeRO++ pipelines its intra- and inter-node all-to-alls. Blocks never span parameters and each
 member's sum adds the same values in the same order, so the result is bit-identical to running the hops one
-after the other; only the 4-byte padding of each chunk's payload differs (``traffic.py`` counts it).
+after the other; only the 4-byte padding of each chunk's payload differs (``cost/traffic.py`` counts it).
 """
 from __future__ import annotations
 

@@ -18,10 +18,31 @@ the overlapped one must match bit for bit.
 """
 from __future__ import annotations
 
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from ..topology import Topology
+
+_STREAMS: dict[int, "CommStream"] = {}   # id(topology) -> its stream, dropped when the topology is collected
+
+
+def stream_for(topology: "Topology") -> "CommStream":
+    """The FIFO every collective of ``topology``'s groups runs through ([Note: one ordered stream]): one per
+    Topology object (equal topologies still own separate process groups), made on first use on the device of its
+    mesh."""
+    key = id(topology)
+    stream = _STREAMS.get(key)
+    if stream is None:
+        device_type = topology.mesh.device_type
+        device = (torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda"
+                  else torch.device("cpu"))
+        stream = _STREAMS[key] = CommStream(device)
+        weakref.finalize(topology, _STREAMS.pop, key, None)
+    return stream
 
 
 class CommStream:

@@ -1,6 +1,6 @@
 """Bytes and time of the collectives a plan runs per optimizer step.
 
-The collectives are ``tiershard.traffic``'s (the schedule the engine's ledger is checked against); this module
+The collectives are ``cost.traffic``'s (the schedule the engine's ledger is checked against); this module
 only prices them. Bytes per tier use ``comm.volume``'s link model through ``rank_bytes``, summed over one group
 and multiplied by the number of congruent groups, so the totals equal ``traffic.total_traffic`` exactly.
 
@@ -24,7 +24,7 @@ from ..comm.volume import rank_bytes
 from ..plan import Placement
 from ..runtime.layout import padded_unit_numel, unit_columns
 from ..topology import Topology
-from ..traffic import Collective, FlatGroupShape, group_collectives
+from .traffic import Collective, FlatGroupShape, group_collectives
 from .specs import Cluster, Job, ModelSpec
 
 MICRO_OPS = ("param_gather", "grad_reduce")   # op-name prefixes that run every micro-step; the rest at the boundary

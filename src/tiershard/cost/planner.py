@@ -230,7 +230,7 @@ def auto_plan(model: object, cluster: Cluster, job: Job | None = None, *,
     """The fastest plan that fits in memory; ties go to less quantization. Raises NoPlanFits."""
     if not isinstance(cluster, Cluster):
         raise TypeError("auto_plan needs a tiershard.cost.Cluster (tiers with bandwidth and latency), "
-                        "e.g. tiershard.clusters.preset('dgx-a100', gpus=64)")
+                        "e.g. tiershard.cost.presets.preset('dgx-a100', gpus=64)")
     spec = coerce_model(model)
     ranked = rank_plans(spec, cluster, job or Job(), candidates)
     if not ranked or not ranked[0].fits:

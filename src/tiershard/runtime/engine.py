@@ -33,6 +33,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..comm.stream import stream_for
 from .flat import FlatGroup
 
 if TYPE_CHECKING:
@@ -217,7 +218,7 @@ class Engine:
         self.param_dtype, self.reduce_dtype, self.device = param_dtype, reduce_dtype, device
         self.cast_dtype = param_dtype if param_dtype != torch.float32 else None
         self.units: list[Unit] = []
-        self.stream = placement.topology.comm_stream()
+        self.stream = stream_for(placement.topology)
         self.sync_grads = True
         self._backward_queued = False
         _ENGINES.append(weakref.ref(self))
@@ -230,14 +231,6 @@ class Engine:
     def groups(self) -> Iterator[FlatGroup]:
         for unit in self.units:
             yield from unit.groups
-
-    def flat_shapes(self) -> list:
-        """Each flat group as ``traffic.FlatGroupShape``: what the closed-form traffic of this model depends on."""
-        from ..traffic import FlatGroupShape
-
-        return [FlatGroupShape(group.S, group.trainable, backward=unit is not self.root and any(
-                    g.trainable for g in unit.groups), columns=group.cols)
-                for unit in self.units for group in unit.groups]
 
     def settle(self) -> None:
         """Outside backward, undo what a backward that raised left behind: working tensors shown in the module,

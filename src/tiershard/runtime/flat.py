@@ -40,6 +40,7 @@ from ..comm import collectives as C
 from ..comm import hierarchical as H
 from ..comm.codecs import codec_from_spec
 from ..comm.quantized import QuantizedGather, QuantizedReduceScatter
+from ..comm.stream import stream_for
 from .layout import ParamLayout, plan_columns
 
 if TYPE_CHECKING:
@@ -112,7 +113,7 @@ class FlatGroup:
                                           plan.qgz.endswith("+ef")) if plan.qgz else None
         self._encoded_p = None         # (weights version, wire): the qwz encoding of p_shard, reused until it changes
         self.cc = plan.cc
-        self.stream = topo.comm_stream()
+        self.stream = stream_for(topo)
         self._gathering = None         # (future of the gathered matrix, exact): a gather in flight
         self._reducing = None          # future of this group's last reduction
         self._rebuild = False          # the masters changed since p_shard (or, replicated, the working copy) was made

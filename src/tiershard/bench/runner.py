@@ -1,0 +1,336 @@
+"""``tiershard bench``: tiershard's plans against FSDP2 and DeepSpeed on an emulated cluster, side by side.
+
+A step-time number means little without the bytes that explain it, and a comparison means little unless every
+system trains the same model, on the same batches, under the same network. So one bench run:
+
+- brings up an :class:`~tiershard.cluster.EmulatedCluster` (network namespaces as nodes, ``tbf``-capped links)
+  and, at each inter-node rate, launches the ranks inside the nodes; ``local=True`` runs the same per-rank code
+  on loopback gloo ranks instead (no caps, no NIC counters: for tests and machines without root);
+- builds every system on every rank through :mod:`tiershard.bench.peers` (one training loop for all: tiershard plans
+  as ``tiershard:PLAN``, FSDP2 ``fully_shard`` variants, DeepSpeed ZeRO-3 and ZeRO-3 + hpZ), measuring each
+  one's peak memory while it builds and trains its warm-up steps;
+- alternates the systems round by round (and a compute-only pseudo-system: forward and backward of the
+  unsharded bf16 model, no communication), reading the nodes' NIC byte counters and ``ts.comm_stats()`` around
+  every system's steps;
+- compares the measurement with the cost model (``cost.evaluate`` on a :class:`~tiershard.cost.Cluster` that
+  describes the emulated one) and with the floor max(compute, node-crossing bytes / link rate).
+
+This module is the driver: the cluster, the launches, the link probe and the calibration, the cost model's
+view of the bench (:func:`model_spec`, :func:`cost_job`, :func:`cost_cluster`), and the rows of the results
+(:func:`summarize`, :func:`bench_check`, :func:`add_uncapped_floor`). The settings are in
+:mod:`~tiershard.bench.config`, the per-rank job that :func:`run_bench` launches on the cluster (``python -m
+tiershard.bench SPEC.json``) in :mod:`~tiershard.bench.rank`, the tables and plots in
+:mod:`~tiershard.bench.report`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from .config import (CHECK_TOLERANCE, COMPUTE, PARAM_BYTES, PEERS, REDUCE_BYTES, REFERENCES, RESULT_PREFIX,
+                     BenchConfig, BenchError, System, check_config, deepspeed_note, model_config, parse_systems)
+from .rank import rank_job
+
+if TYPE_CHECKING:
+    from ..cost import Cluster, Job, ModelSpec
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _spec(cfg: BenchConfig, systems: Sequence[tuple[str, str]], accum: int, nic: bool, **over) -> dict:
+    mc = model_config(cfg)
+    spec = dict(model=mc.to_dict(), systems=[list(s) for s in systems], accum=accum, rounds=cfg.rounds,
+                steps_per_round=cfg.steps_per_round, warmup=cfg.warmup, batch_per_rank=cfg.batch_per_rank,
+                seq=cfg.seq or mc.block_size, seed=cfg.seed, ranks_per_node=cfg.ranks_per_node, nic=nic)
+    spec.update(over)
+    return spec
+
+
+def _launch(cfg: BenchConfig, cluster, spec: dict) -> list[dict]:
+    """Run ``rank_job`` on every rank: inside the cluster's nodes, or on local loopback ranks."""
+    if cluster is None:
+        from ..cluster.local import run_local
+
+        return run_local(rank_job, cfg.world, spec, timeout=cfg.timeout)
+    with tempfile.TemporaryDirectory(prefix="tiershard-bench-") as tmp:
+        path = Path(tmp) / "spec.json"
+        path.write_text(json.dumps(spec))
+        cluster.launch([sys.executable, "-m", "tiershard.bench", str(path)], timeout=cfg.timeout)
+        return [json.loads((Path(tmp) / f"{RESULT_PREFIX}{r}.json").read_text()) for r in range(cfg.world)]
+
+
+def measure_links(cfg: BenchConfig, cluster, log: Callable[[str], None]) -> dict:
+    """Bandwidth and latency per rank of the node tier and of the uncapped inter-node tier.
+
+    Measured by ``tiershard probe`` (inside the emulated nodes with the links uncapped, or on local ranks) unless
+    ``cfg.intra_bw`` is given; without a probe the uncapped inter-node tier is assumed as fast as the node tier.
+    """
+    if cfg.intra_bw is not None:
+        return {"source": "assumed (--intra-bw)", "intra_bw": cfg.intra_bw, "intra_latency": 5e-5,
+                "inter_bw": cfg.intra_bw, "inter_latency": 1e-4}
+    import tomllib
+
+    with tempfile.TemporaryDirectory(prefix="tiershard-probe-") as tmp:
+        out = Path(tmp) / "probe.toml"
+        probe = [sys.executable, "-m", "tiershard.cli", "probe", "--out", str(out)]
+        try:
+            if cluster is None:
+                proc = subprocess.run([*probe, "--nproc", str(cfg.world), "--ranks-per-node",
+                                       str(cfg.ranks_per_node)], capture_output=True, text=True, timeout=900)
+                if proc.returncode:
+                    raise RuntimeError((proc.stderr or proc.stdout).strip().splitlines()[-1:])
+            else:
+                cluster.set_bandwidth(None)
+                cluster.launch(probe, timeout=900)
+            table = tomllib.loads(out.read_text())["cluster"]
+        except Exception as err:   # the bench still runs: the planner columns then rest on a stated assumption
+            log(f"tiershard bench: probe failed ({type(err).__name__}: {err}); assuming 1 GB/s per rank inside a "
+                "node and uncapped between nodes")
+            return {"source": "assumed (probe failed)", "intra_bw": 1e9, "intra_latency": 5e-5,
+                    "inter_bw": 1e9, "inter_latency": 1e-4}
+    tiers = {t["name"]: t for t in table["tiers"]}
+    links = {"source": "tiershard probe" + (" (inside the emulated nodes, links uncapped)" if cluster else
+                                            " (local loopback ranks)"),
+             "intra_bw": float(tiers["node"]["bandwidth"]), "intra_latency": float(tiers["node"]["latency"]),
+             "inter_bw": float(tiers["world"]["bandwidth"]), "inter_latency": float(tiers["world"]["latency"])}
+    for key in ("overlap", "codec_rate"):
+        if key in table:
+            links[key] = float(table[key])
+    return links
+
+
+def model_spec(cfg: BenchConfig) -> ModelSpec:
+    """The cost model's view of the GPT, cut into units as ``ts.shard(..., wrap={Block})`` cuts it."""
+    from ..cost import ModelSpec
+    from ..train.models.gpt import GPT, Block
+
+    import torch
+
+    with torch.device("meta"):
+        model = GPT(model_config(cfg))
+    return ModelSpec.from_module(model, wrap={Block})
+
+
+def cost_job(cfg: BenchConfig, accum: int) -> Job:
+    """The job every system runs, for the cost model: bf16 on the wire, fp32 accumulation, no recompute."""
+    from ..cost import Job
+
+    return Job(micro_batch=cfg.batch_per_rank, seq=cfg.seq or model_config(cfg).block_size, accum=accum,
+               param_bytes=PARAM_BYTES, reduce_bytes=REDUCE_BYTES, grad_bytes=4, recompute=False, efficiency=1.0)
+
+
+def cost_cluster(cfg: BenchConfig, links: dict, rate_bits: int | None, micro_seconds: float) -> Cluster:
+    """The emulated cluster as the cost model sees it: tiers (ranks_per_node, world), the inter-node tier at
+    the cap (a node's link shared by its ranks) or, uncapped, at the probe's rate; peak flops calibrated so
+    one micro-step's compute takes ``micro_seconds`` (the measured compute-only step); the probe's overlap and
+    codec rate when it measured them."""
+    import dataclasses
+
+    from ..cost import Cluster, Tier, compute_seconds
+
+    inter = rate_bits / 8 / cfg.ranks_per_node if rate_bits else links["inter_bw"]
+    tiers = (Tier(name="node", size=cfg.ranks_per_node, bandwidth=links["intra_bw"], latency=links["intra_latency"]),
+             Tier(name="world", size=cfg.world, bandwidth=inter, latency=links["inter_latency"]))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / cfg.world
+    extra = {k: links[k] for k in ("overlap", "codec_rate")
+             if k in links and k in {f.name for f in dataclasses.fields(Cluster)}}
+    unit = Cluster(tiers=tiers, gpu_memory=memory, peak_flops=1.0, name="emulated", **extra)
+    flops = compute_seconds(model_spec(cfg), cost_job(cfg, 1), unit)     # at 1 flop/s: the flop count
+    return replace(unit, peak_flops=flops / max(micro_seconds, 1e-9))
+
+
+def calibrate(cfg: BenchConfig, cluster, log: Callable[[str], None]) -> float:
+    """Seconds of one micro-step's forward and backward per rank, all ranks at once (the planner's compute)."""
+    spec = _spec(cfg, [(COMPUTE, COMPUTE)], 1, False, rounds=3, steps_per_round=2)
+    results = _launch(cfg, cluster, spec)
+    seconds = statistics.median(results[0]["systems"][COMPUTE]["step_times"])
+    log(f"tiershard bench: compute-only micro-step {seconds * 1e3:.1f} ms (calibrates the planner)")
+    return seconds
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def summarize(cfg: BenchConfig, systems: list[System], ranks: list[dict], accum: int, rate: str,
+              rate_bits: int | None, links: dict, plans: dict[str, str]) -> dict:
+    """One (rate, accum) run: a row per system with times, bytes per step and per node, memory, prediction."""
+    from .. import cost
+
+    nodes, rpn = cfg.nodes, cfg.ranks_per_node
+    mc = model_config(cfg)
+    seq = cfg.seq or mc.block_size
+    tokens = cfg.world * cfg.batch_per_rank * accum * seq
+    first = ranks[0]["systems"]
+    compute = _median(first[COMPUTE]["step_times"])
+    spec, job = model_spec(cfg), cost_job(cfg, accum)
+    ccluster = cost_cluster(cfg, links, rate_bits, compute / accum)
+    link_rate = rate_bits / 8 if rate_bits else (links["inter_bw"] * rpn if not cfg.local else None)
+    rows = []
+    for s in systems:
+        key = s.same_as or s.label
+        mine = first[key]
+        timed = sum(r["steps"] for r in mine["rounds"])
+        step = _median(mine["step_times"])
+        row = {"system": s.label, "runner": s.runner if not s.same_as else f"tiershard:{plans[s.label]}",
+               "plan": plans.get(s.label) if s.ours else None, "peer": None if s.ours else PEERS[s.label],
+               "same_as": s.same_as, "step_s": step, "step_times": mine["step_times"],
+               "tokens_per_s": tokens / step, "final_loss": mine["losses"][-1] if mine["losses"] else None,
+               "losses": mine["losses"], "timed_steps": timed,
+               "peak_bytes": max((r["systems"][key]["peak_bytes"] or 0) for r in ranks) or None}
+        nic = {}
+        for r in ranks:
+            rounds = r["systems"][key]["rounds"]
+            if rounds and rounds[0]["nic"] is not None:
+                nic[str(r["node"])] = {d: sum(x["nic"][d] for x in rounds) / timed for d in ("tx", "rx")}
+        row["nic_per_node"] = nic or None
+        row["nic_tx_per_node"] = sum(v["tx"] for v in nic.values()) / len(nic) if nic else None
+        crossing = max(max(v["tx"], v["rx"]) for v in nic.values()) if nic else None
+        if s.ours:
+            comm_node: dict[str, dict[str, float]] = {}
+            for r in ranks:
+                for x in r["systems"][key]["rounds"]:
+                    tiers = comm_node.setdefault(str(r["node"]), {})
+                    for tier, b in x["tiers"].items():
+                        tiers[tier] = tiers.get(tier, 0) + b / timed
+            row["comm_per_node"] = comm_node
+            row["comm_tiers_per_node"] = {t: sum(c.get(t, 0) for c in comm_node.values()) / nodes
+                                          for t in ("node", "world")}
+            closed = first[key]["closed_form"]
+            row["closed_form_per_node"] = {t: closed.get(t, 0) / nodes for t in ("node", "world")}
+            est = cost.evaluate(plans[s.label], spec, ccluster, job)
+            row["predicted_s"] = est.step_time
+            row["predicted_tier_bytes_per_node"] = {t: b / nodes for t, b in est.tier_bytes.items()}
+            if crossing is None:
+                crossing = row["comm_tiers_per_node"]["world"]
+        row["crossing_bytes"] = crossing
+        row["link_s"] = crossing / link_rate if crossing is not None and link_rate else 0.0
+        row["floor_s"] = max(compute, row["link_s"])
+        rows.append(row)
+    by = {r["system"]: r for r in rows}
+    for row in rows:
+        for ref in REFERENCES:
+            row[f"vs_{ref}"] = row["step_s"] / by[ref]["step_s"] if ref in by else None
+        row["vs_floor"] = row["step_s"] / row["floor_s"] if row["floor_s"] else None
+    return {"rate": rate, "rate_bits": rate_bits, "accum": accum, "tokens_per_step": tokens, "compute_s": compute,
+            "link_rate_bytes": link_rate, "rows": rows, "plans": plans,
+            "cost_cluster": {"tiers": [asdict(t) for t in ccluster.tiers], "peak_flops": ccluster.peak_flops}}
+
+
+def bench_check(results: dict) -> list[dict]:
+    """For every one of our plans at every (rate, accum): NIC bytes sent per node and step against the
+    ``comm_stats`` node-crossing ("world") bytes of that node's ranks; within 5 % passes."""
+    checks = []
+    for run in results["runs"]:
+        for row in run["rows"]:
+            if not row["plan"] or row["same_as"] or not row["nic_per_node"]:
+                continue
+            for node, nic in sorted(row["nic_per_node"].items(), key=lambda kv: int(kv[0])):
+                comm = row["comm_per_node"].get(node, {}).get("world", 0)
+                dev = (nic["tx"] - comm) / comm if comm else float("inf")
+                checks.append({"rate": run["rate"], "accum": run["accum"], "system": row["system"],
+                               "plan": row["plan"], "node": int(node), "nic_tx": nic["tx"], "comm_world": comm,
+                               "deviation": dev, "ok": abs(dev) <= CHECK_TOLERANCE})
+    return checks
+
+
+def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
+    """Run the whole bench (every rate and accumulation); returns the results :func:`render_markdown` shows."""
+    from .. import cost
+    from ..cluster.emulated import ClusterError, EmulatedCluster, LaunchError, format_rate, parse_rate
+
+    check_config(cfg)
+    if not cfg.local and os.geteuid() != 0:
+        raise BenchError("the emulated cluster needs root to create network namespaces: run as root (e.g. sudo "
+                         ".venv/bin/tiershard bench ...), or add --local for loopback ranks without caps or NIC "
+                         "counters")
+    systems, note = deepspeed_note(parse_systems(cfg))
+    if note:
+        log(f"tiershard bench: {note}")
+    if not systems:
+        raise BenchError("every system asked for was skipped: add systems that can run here")
+    mc = model_config(cfg)
+    rates = ["local"] if cfg.local else [format_rate(parse_rate(r)) for r in cfg.rates]
+    results: dict = {"config": {**asdict(cfg), "model": mc.to_dict(), "systems": [s.label for s in systems]},
+                     "notes": [note] if note else [], "runs": [], "loadavg": {"start": _loadavg()}}
+    spec_model = model_spec(cfg)
+    results["params"] = spec_model.params
+    started = time.perf_counter()
+    try:
+        context = nullcontext(None) if cfg.local else EmulatedCluster(cfg.nodes, cfg.ranks_per_node, None,
+                                                                      name=cfg.cluster_name)
+        with context as cluster:
+            links = measure_links(cfg, cluster, log)
+            results["links"] = links
+            log(f"tiershard bench: links per rank: node {links['intra_bw'] / 1e9:.3g} GB/s, uncapped inter-node "
+                f"{links['inter_bw'] / 1e9:.3g} GB/s ({links['source']})")
+            calibration = calibrate(cfg, cluster, log) if any(s.plan == "auto" for s in systems) else None
+            results["calibration_micro_s"] = calibration
+            for rate in rates:
+                bits = None if cfg.local else parse_rate(rate)
+                if cluster is not None:
+                    cluster.set_bandwidth(bits)
+                for accum in cfg.accums:
+                    plans = {s.label: s.plan for s in systems if s.ours and s.plan != "auto"}
+                    run_systems = []
+                    for s in systems:
+                        if s.plan == "auto":
+                            pick = cost.auto_plan(spec_model, cost_cluster(cfg, links, bits, calibration),
+                                                  cost_job(cfg, accum))
+                            plans[s.label] = str(pick)
+                            twin = next((o.label for o in systems if o.ours and o.plan == str(pick)), None)
+                            s = replace(s, runner=f"tiershard:{pick}", same_as=twin)
+                        run_systems.append(s)
+                    launched = [(s.label, s.runner) for s in run_systems if not s.same_as]
+                    load = _loadavg()
+                    t0 = time.perf_counter()
+                    before = cluster.nic_bytes() if cluster is not None else None
+                    ranks = _launch(cfg, cluster, _spec(cfg, [(COMPUTE, COMPUTE), *launched], accum,
+                                                        cluster is not None))
+                    after = cluster.nic_bytes() if cluster is not None else None
+                    run = summarize(cfg, run_systems, ranks, accum, rate, bits, links, plans)
+                    run["seconds"] = time.perf_counter() - t0
+                    run["loadavg"] = {"before": load, "after": _loadavg()}
+                    if before is not None:
+                        run["nic_launch_total"] = {n: {d: after[n][d] - before[n][d] for d in ("tx", "rx")}
+                                                   for n in before}
+                    results["runs"].append(run)
+                    auto = next((r for r in run["rows"] if r["system"] == "auto"), None)
+                    log(f"tiershard bench: rate {rate}, accum {accum}: {len(launched)} systems in "
+                        f"{run['seconds']:.0f} s" + (f", auto = {auto['plan']}" if auto else ""))
+    except (ClusterError, LaunchError) as err:
+        raise BenchError(str(err)) from None
+    results["loadavg"]["end"] = _loadavg()
+    results["seconds"] = time.perf_counter() - started
+    results["check"] = bench_check(results)
+    add_uncapped_floor(results)
+    return results
+
+
+def add_uncapped_floor(results: dict) -> None:
+    """Each capped row's second floor: max(the same system's step time uncapped at the same accumulation, its
+    link time). On machines where moving bytes costs the cores that compute (gloo over the kernel's TCP), the
+    uncapped step is what the system costs without waiting for the link; a step near this floor hides the link
+    behind that work. Rows without an uncapped twin (or uncapped themselves) get None."""
+    uncapped = {run["accum"]: {r["plan"] or r["system"]: r["step_s"] for r in run["rows"]}
+                for run in results["runs"] if run["rate_bits"] is None and run["rate"] != "local"}
+    for run in results["runs"]:
+        twins = uncapped.get(run["accum"], {}) if run["rate_bits"] else {}
+        for row in run["rows"]:
+            own = twins.get(row["plan"] or row["system"])
+            row["uncapped_floor_s"] = None if own is None else max(own, row["link_s"])
+            row["vs_uncapped_floor"] = None if own is None else row["step_s"] / row["uncapped_floor_s"]

@@ -1,0 +1,7 @@
+"""State on disk: sharded checkpoints through ``torch.distributed.checkpoint`` (``sharded``) and their conversion
+to single-file formats (``convert``), which reads them in one process without a process group."""
+from __future__ import annotations
+
+from .sharded import CheckpointError, latest, load, resolve, save, verify
+
+__all__ = ["CheckpointError", "save", "load", "latest", "resolve", "verify"]

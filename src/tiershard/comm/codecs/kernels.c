@@ -1,0 +1,792 @@
+/* Block codec kernels: symmetric absmax int8 / packed int4 with fp32 scales (format: format.py beside this file;
+   built, loaded and called from Python by native.py).
+   Results equal the torch reference bit for bit: fp32 division, round half to even, clamp, fp32 multiply, and
+   round-to-nearest-even conversions to bf16 / fp16. One AVX-512 path, and plain loops the compiler vectorizes
+   for every other target. */
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define TS_AVX512 1
+#include <immintrin.h>
+#else
+#define TS_AVX512 0
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+#endif
+
+#define DT_F32 0
+#define DT_BF16 1
+#define DT_F16 2
+#define TILE 4096  /* values staged at a time: even, so int4 bytes never straddle two tiles */
+
+#if defined(__FLT16_MAX__)
+#define TS_HAVE_F16 1
+typedef _Float16 ts_half;
+#else
+#define TS_HAVE_F16 0
+#endif
+
+static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
+    uint32_t u = f32_bits(f);
+    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+#if TS_HAVE_F16
+static inline float f16_to_f32(uint16_t b) { ts_half h; memcpy(&h, &b, 2); return (float)h; }
+static inline uint16_t f32_to_f16(float f) { ts_half h = (ts_half)f; uint16_t b; memcpy(&b, &h, 2); return b; }
+#endif
+static inline float load_scale(const uint8_t* sc, int64_t j) { float f; memcpy(&f, sc + 4 * j, 4); return f; }
+static inline uint8_t quant1(float x, float scale, int32_t qmax, int32_t off) {
+    int32_t v = (int32_t)rintf(x / scale);
+    v = v > qmax ? qmax : v; v = v < -qmax ? -qmax : v;
+    return (uint8_t)(v + off);
+}
+static inline float dq1(uint8_t q, int32_t off, float s) { return (float)(off ? (int32_t)q - off : (int32_t)(int8_t)q) * s; }
+
+/* Largest |x| as bits: the bit patterns of |x| order like the values, with inf and nan above every finite one, so
+   one integer max gives both the scale and whether the block is non-finite. */
+static uint32_t absbits32(const uint32_t* restrict u, int64_t m);
+static uint16_t absbits16(const uint16_t* restrict u, int64_t m);
+/* q[i] = clamp(round_half_even(x[i] / scale), -qmax, qmax) + off as bytes (off 0: int8, 8: int4 offset nibbles). */
+static void quant_n(const void* restrict x, int dt, int64_t m, float scale, int32_t qmax, int32_t off, uint8_t* restrict q);
+/* Two offset nibbles (1..15) per byte, value 2i in the low nibble, and back. */
+static void pack4(const uint8_t* restrict q, int64_t pairs, uint8_t* restrict dst);
+static void unpack4(const uint8_t* restrict p, int64_t nbytes, uint8_t* restrict q);
+/* o[i] = (q[i] - off) * s, stored as dt (add: added to fp32 o). */
+static void dq_n(const uint8_t* restrict q, int32_t off, int64_t m, float s, void* restrict o, int dt, int add);
+
+#if TS_AVX512
+static inline __mmask16 tail16(int64_t r) { return (__mmask16)((1u << r) - 1u); }
+static uint32_t absbits32(const uint32_t* restrict u, int64_t m) {
+    const __m512i lo31 = _mm512_set1_epi32(0x7fffffff);
+    __m512i a = _mm512_setzero_si512();
+    int64_t i = 0;
+    for (; i + 16 <= m; i += 16) a = _mm512_max_epu32(a, _mm512_and_si512(_mm512_loadu_si512(u + i), lo31));
+    if (i < m) a = _mm512_max_epu32(a, _mm512_and_si512(_mm512_maskz_loadu_epi32(tail16(m - i), u + i), lo31));
+    return _mm512_reduce_max_epu32(a);
+}
+static uint16_t absbits16(const uint16_t* restrict u, int64_t m) {
+    const __m512i lo15 = _mm512_set1_epi32(0x7fff);
+    __m512i a = _mm512_setzero_si512();
+    int64_t i = 0;
+    for (; i + 16 <= m; i += 16)
+        a = _mm512_max_epu32(a, _mm512_and_si512(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(u + i))), lo15));
+    if (i < m) a = _mm512_max_epu32(a, _mm512_and_si512(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(tail16(m - i), u + i)), lo15));
+    return (uint16_t)_mm512_reduce_max_epu32(a);
+}
+static inline __m512 load16(const void* x, int dt, int64_t i, __mmask16 k) {
+    if (dt == DT_F32) return _mm512_maskz_loadu_ps(k, (const float*)x + i);
+    __m256i h = _mm256_maskz_loadu_epi16(k, (const uint16_t*)x + i);
+    if (dt == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+static inline void quant16(const void* x, int dt, int64_t i, __mmask16 k, __m512 vs, __m512i lo, __m512i hi, __m512i off, uint8_t* q) {
+    __m512i v = _mm512_cvt_roundps_epi32(_mm512_div_ps(load16(x, dt, i, k), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(v, lo), hi), off);
+    _mm_mask_storeu_epi8(q + i, k, _mm512_cvtepi32_epi8(v));
+}
+static void quant_n(const void* restrict x, int dt, int64_t m, float scale, int32_t qmax, int32_t off, uint8_t* restrict q) {
+    const __m512 vs = _mm512_set1_ps(scale);
+    const __m512i lo = _mm512_set1_epi32(-qmax), hi = _mm512_set1_epi32(qmax), vo = _mm512_set1_epi32(off);
+    int64_t i = 0;
+    for (; i + 16 <= m; i += 16) quant16(x, dt, i, 0xFFFF, vs, lo, hi, vo, q);
+    if (i < m) quant16(x, dt, i, tail16(m - i), vs, lo, hi, vo, q);
+}
+static void pack4(const uint8_t* restrict q, int64_t pairs, uint8_t* restrict dst) {
+    int64_t p = 0;
+    for (; p + 32 <= pairs; p += 32) {
+        __m512i u = _mm512_loadu_si512(q + 2 * p);
+        _mm256_storeu_si256((__m256i*)(dst + p), _mm512_cvtepi16_epi8(_mm512_or_si512(u, _mm512_srli_epi16(u, 4))));
+    }
+    if (p < pairs) {  /* masked tail: the short blocks of row layouts end here */
+        const int64_t r = pairs - p;
+        __m512i u = _mm512_maskz_loadu_epi8((__mmask64)((1ull << (2 * r)) - 1u), q + 2 * p);
+        _mm256_mask_storeu_epi8(dst + p, (__mmask32)((1ull << r) - 1u), _mm512_cvtepi16_epi8(_mm512_or_si512(u, _mm512_srli_epi16(u, 4))));
+    }
+}
+static void unpack4(const uint8_t* restrict p, int64_t nbytes, uint8_t* restrict q) {
+    const __m512i m0f = _mm512_set1_epi16(0x0f), mf0 = _mm512_set1_epi16(0xf0);
+    int64_t t = 0;
+    for (; t + 32 <= nbytes; t += 32) {
+        __m512i u = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(p + t)));
+        _mm512_storeu_si512(q + 2 * t, _mm512_or_si512(_mm512_and_si512(u, m0f), _mm512_slli_epi16(_mm512_and_si512(u, mf0), 4)));
+    }
+    if (t < nbytes) {  /* masked tail */
+        const int64_t r = nbytes - t;
+        __m512i u = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8((__mmask32)((1ull << r) - 1u), p + t));
+        _mm512_mask_storeu_epi8(q + 2 * t, (__mmask64)((1ull << (2 * r)) - 1u),
+                                _mm512_or_si512(_mm512_and_si512(u, m0f), _mm512_slli_epi16(_mm512_and_si512(u, mf0), 4)));
+    }
+}
+static inline void dq16(const uint8_t* q, int32_t off, int64_t i, __mmask16 k, __m512 vs, void* o, int dt, int add) {
+    __m128i b = _mm_maskz_loadu_epi8(k, q + i);
+    __m512i v = off ? _mm512_sub_epi32(_mm512_cvtepu8_epi32(b), _mm512_set1_epi32(off)) : _mm512_cvtepi8_epi32(b);
+    __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(v), vs);
+    if (add) { float* of = (float*)o + i; _mm512_mask_storeu_ps(of, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, of), f)); }
+    else if (dt == DT_F32) _mm512_mask_storeu_ps((float*)o + i, k, f);
+    else if (dt == DT_BF16) {
+        __m512i u = _mm512_castps_si512(f);
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                                       _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+        r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));
+        _mm256_mask_storeu_epi16((uint16_t*)o + i, k, _mm512_cvtepi32_epi16(r));
+    } else _mm256_mask_storeu_epi16((uint16_t*)o + i, k, _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+static void dq_n(const uint8_t* restrict q, int32_t off, int64_t m, float s, void* restrict o, int dt, int add) {
+    const __m512 vs = _mm512_set1_ps(s);
+    int64_t i = 0;
+    for (; i + 16 <= m; i += 16) dq16(q, off, i, 0xFFFF, vs, o, dt, add);
+    if (i < m) dq16(q, off, i, tail16(m - i), vs, o, dt, add);
+}
+
+/* Whole blocks whose size is a multiple of 16 (int8) or 32 (int4): no tails, no staging, int4 packed in registers. */
+#define TS_FAST_BLOCKS 1
+#define TS_INLINE static inline __attribute__((always_inline))
+TS_INLINE __m512i absbits16v(const void* x, int dt, int64_t i) {
+    if (dt == DT_F32) return _mm512_and_si512(_mm512_loadu_si512((const float*)x + i), _mm512_set1_epi32(0x7fffffff));
+    return _mm512_and_si512(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)x + i))), _mm512_set1_epi32(0x7fff));
+}
+/* round_half_even(x / scale) as int32, clamped to +-qmax only when the scale is subnormal: with a normal scale
+   |x| <= absmax gives |x / scale| <= qmax * (1 + 2**-23), which rounds to at most qmax anyway. */
+TS_INLINE __m512i qv(__m512 x, __m512 vs, int clamp, __m512i lo, __m512i hi) {
+    __m512i v = _mm512_cvt_roundps_epi32(_mm512_div_ps(x, vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return clamp ? _mm512_min_epi32(_mm512_max_epi32(v, lo), hi) : v;
+}
+/* One whole block of B values, B a multiple of 32; dt, bits and clamp are constants at every call site, so each
+   combination compiles to its own straight loop. bf16 reads 32 values per load: the low halves of the 32-bit lanes
+   are the even values and the high halves the odd ones, which for int4 are exactly the two nibbles of a byte. */
+TS_INLINE void quant_block(const char* x, const int dt, const int64_t B, const int bits, const int clamp,
+                           float scale, uint8_t* pay) {
+    const int32_t qmax = bits == 8 ? 127 : 7;
+    const __m512 vs = _mm512_set1_ps(scale);
+    const __m512i lo = _mm512_set1_epi32(-qmax), hi = _mm512_set1_epi32(qmax);
+    if (dt == DT_BF16) {
+        const __m512i himask = _mm512_set1_epi32((int)0xffff0000u);
+        for (int64_t i = 0; i < B; i += 32) {
+            __m512i v = _mm512_loadu_si512((const uint16_t*)x + i);
+            __m512i qe = qv(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), vs, clamp, lo, hi);
+            __m512i qo = qv(_mm512_castsi512_ps(_mm512_and_si512(v, himask)), vs, clamp, lo, hi);
+            if (bits == 8) {
+                __m512i w = _mm512_or_si512(_mm512_and_si512(qe, _mm512_set1_epi32(0xff)), _mm512_slli_epi32(qo, 8));
+                _mm256_storeu_si256((__m256i*)(pay + i), _mm512_cvtepi32_epi16(w));
+            } else {
+                __m512i w = _mm512_add_epi32(_mm512_add_epi32(qe, _mm512_slli_epi32(qo, 4)), _mm512_set1_epi32(0x88));
+                _mm_storeu_si128((__m128i*)(pay + i / 2), _mm512_cvtepi32_epi8(w));
+            }
+        }
+        return;
+    }
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int64_t i = 0; i < B; i += 32) {
+        __m512i q0 = qv(load16(x, dt, i, 0xFFFF), vs, clamp, lo, hi);
+        __m512i q1 = qv(load16(x, dt, i + 16, 0xFFFF), vs, clamp, lo, hi);
+        if (bits == 8) {
+            _mm_storeu_si128((__m128i*)(pay + i), _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128((__m128i*)(pay + i + 16), _mm512_cvtepi32_epi8(q1));
+        } else {
+            __m512i qe = _mm512_permutex2var_epi32(q0, even, q1), qo = _mm512_permutex2var_epi32(q0, odd, q1);
+            __m512i w = _mm512_add_epi32(_mm512_add_epi32(qe, _mm512_slli_epi32(qo, 4)), _mm512_set1_epi32(0x88));
+            _mm_storeu_si128((__m128i*)(pay + i / 2), _mm512_cvtepi32_epi8(w));
+        }
+    }
+}
+TS_INLINE void encode_block_fast_t(const char* x, const int dt, const int64_t B, const int bits, uint8_t* pay,
+                                   float* scale_out) {
+    uint32_t ab;
+    if (dt == DT_BF16) {  /* 32 values per load, max of |bits| in 16-bit lanes */
+        __m512i a = _mm512_setzero_si512();
+        for (int64_t i = 0; i < B; i += 32)
+            a = _mm512_max_epu16(a, _mm512_and_si512(_mm512_loadu_si512((const uint16_t*)x + i), _mm512_set1_epi16(0x7fff)));
+        ab = _mm512_reduce_max_epu32(_mm512_max_epu32(_mm512_and_si512(a, _mm512_set1_epi32(0xffff)), _mm512_srli_epi32(a, 16)));
+    } else {
+        __m512i a = _mm512_setzero_si512();
+        for (int64_t i = 0; i < B; i += 16) a = _mm512_max_epu32(a, absbits16v(x, dt, i));
+        ab = _mm512_reduce_max_epu32(a);
+    }
+    const int32_t qmax = bits == 8 ? 127 : 7;
+    float amax; int bad;
+    if (dt == DT_F32) { bad = ab >= 0x7f800000u; memcpy(&amax, &ab, 4); }
+    else if (dt == DT_BF16) { bad = ab >= 0x7f80u; amax = bf16_to_f32((uint16_t)ab); }
+    else { bad = ab >= 0x7c00u; amax = f16_to_f32((uint16_t)ab); }
+    const float scale = bad ? NAN : amax / (float)qmax;
+    *scale_out = scale;
+    if (!(scale > 0.f)) memset(pay, bits == 8 ? 0 : 0x88, (size_t)(bits == 8 ? B : B / 2));
+    else if (scale >= 0x1p-126f) quant_block(x, dt, B, bits, 0, scale, pay);
+    else quant_block(x, dt, B, bits, 1, scale, pay);
+}
+/* Blocks [j0, j1) of whole blocks of B values (B a multiple of 32), one specialised loop per dtype and width. */
+static void encode_blocks_fast(const char* x, int dt, int64_t B, int bits, int64_t j0, int64_t j1, uint8_t* pay, uint8_t* sc) {
+    const int64_t es = dt == DT_F32 ? 4 : 2;
+#define TS_ENC_LOOP(DT, BITS) \
+    for (int64_t j = j0; j < j1; j++) { float s_; \
+        encode_block_fast_t(x + j * B * es, DT, B, BITS, pay + (BITS == 8 ? j * B : j * B / 2), &s_); memcpy(sc + 4 * j, &s_, 4); }
+    if (bits == 8) {
+        if (dt == DT_F32) { TS_ENC_LOOP(DT_F32, 8) } else if (dt == DT_BF16) { TS_ENC_LOOP(DT_BF16, 8) } else { TS_ENC_LOOP(DT_F16, 8) }
+    } else {
+        if (dt == DT_F32) { TS_ENC_LOOP(DT_F32, 4) } else if (dt == DT_BF16) { TS_ENC_LOOP(DT_BF16, 4) } else { TS_ENC_LOOP(DT_F16, 4) }
+    }
+#undef TS_ENC_LOOP
+}
+static void fill_nan(void* o, int64_t m, int dt) {
+    if (dt == DT_F32) { float* of = (float*)o; for (int64_t i = 0; i < m; i++) of[i] = NAN; }
+    else { uint16_t v = dt == DT_BF16 ? 0x7fc0 : 0x7e00, *oh = (uint16_t*)o; for (int64_t i = 0; i < m; i++) oh[i] = v; }
+}
+TS_INLINE void st16(__m512 f, void* o, int dt, int64_t i, int add) {
+    if (add) { float* of = (float*)o + i; _mm512_storeu_ps(of, _mm512_add_ps(_mm512_loadu_ps(of), f)); }
+    else if (dt == DT_F32) _mm512_storeu_ps((float*)o + i, f);
+    else if (dt == DT_BF16) {
+        __m512i u = _mm512_castps_si512(f);
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                                       _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+        _mm256_storeu_si256((__m256i*)((uint16_t*)o + i), _mm512_cvtepi32_epi16(r));  /* f is never nan here */
+    } else _mm256_storeu_si256((__m256i*)((uint16_t*)o + i), _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+/* int4 decodes through a 16-entry table per block, (nibble - 8) * scale: the same single fp32 multiply per value as
+   the reference, then one permute per 16 (fp32) or 32 (bf16, fp16) values. */
+TS_INLINE void decode_block_fast_t(const uint8_t* pay, float scale, const int64_t B, const int bits, void* o, const int dt,
+                                   const int add) {
+    if (scale != scale) { fill_nan(o, B, add ? DT_F32 : dt); return; }
+    const __m512 vs = _mm512_set1_ps(scale);
+    if (bits == 8) {
+        if (dt == DT_BF16 && !add) {  /* two vectors, rounded, then one permute picks their high words */
+#if defined(__AVX512BF16__)
+            if (scale >= 0x1p-126f) {  /* every nonzero output is normal, where the instruction rounds like torch */
+                for (int64_t i = 0; i < B; i += 32) {
+                    __m512 f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(pay + i)))), vs);
+                    __m512 f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(pay + i + 16)))), vs);
+                    _mm512_storeu_si512((uint16_t*)o + i, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));
+                }
+                return;
+            }
+#endif
+            const __m512i hi_words = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+                                                      31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+            const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+            for (int64_t i = 0; i < B; i += 32) {
+                __m512i u0 = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(pay + i)))), vs));
+                __m512i u1 = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(pay + i + 16)))), vs));
+                u0 = _mm512_add_epi32(_mm512_add_epi32(u0, bias), _mm512_and_si512(_mm512_srli_epi32(u0, 16), one));
+                u1 = _mm512_add_epi32(_mm512_add_epi32(u1, bias), _mm512_and_si512(_mm512_srli_epi32(u1, 16), one));
+                _mm512_storeu_si512((uint16_t*)o + i, _mm512_permutex2var_epi16(u0, hi_words, u1));
+            }
+            return;
+        }
+        for (int64_t i = 0; i < B; i += 16)
+            st16(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(pay + i)))), vs), o, dt, i, add);
+        return;
+    }
+    const __m512 tab = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(8))), vs);
+    if (dt == DT_F32 || add) {
+        const __m256i m0f = _mm256_set1_epi16(0x0f), mf0 = _mm256_set1_epi16(0xf0);
+        for (int64_t i = 0; i < B; i += 32) {
+            __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(pay + i / 2)));
+            __m256i w = _mm256_or_si256(_mm256_and_si256(u, m0f), _mm256_slli_epi16(_mm256_and_si256(u, mf0), 4));
+            __m512 f0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(w)), tab);
+            __m512 f1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(w, 1)), tab);
+            st16(f0, o, DT_F32, i, add);
+            st16(f1, o, DT_F32, i + 16, add);
+        }
+        return;
+    }
+    /* 16-bit outputs: the table as 16 words (twice), indexed by 32 word lanes lo0, hi0, lo1, hi1, ... */
+    __m512i t16;
+    if (dt == DT_BF16) {
+        __m512i u = _mm512_castps_si512(tab);
+        t16 = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+    } else t16 = _mm512_cvtepu16_epi32(_mm512_cvtps_ph(tab, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i words = _mm512_cvtepi32_epi16(t16);
+    const __m512i lut = _mm512_inserti64x4(_mm512_castsi256_si512(words), words, 1);
+    const __m512i m0f = _mm512_set1_epi32(0x0f), mf0 = _mm512_set1_epi32(0xf0);
+    for (int64_t i = 0; i < B; i += 32) {
+        __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(pay + i / 2)));
+        __m512i idx = _mm512_or_si512(_mm512_and_si512(d, m0f), _mm512_slli_epi32(_mm512_and_si512(d, mf0), 12));
+        _mm512_storeu_si512((uint16_t*)o + i, _mm512_permutexvar_epi16(idx, lut));
+    }
+}
+/* Whole blocks [j0, j1) of B values (a multiple of 32), one specialised loop per dtype, width and mode. */
+static void decode_blocks_fast(const uint8_t* pay, const uint8_t* sc, int64_t B, int bits, int64_t j0, int64_t j1,
+                               char* o, int dt, int add) {
+    const int64_t es = add || dt == DT_F32 ? 4 : 2;
+#define TS_DEC_LOOP(DT, BITS, ADD) \
+    for (int64_t j = j0; j < j1; j++) \
+        decode_block_fast_t(pay + (BITS == 8 ? j * B : j * B / 2), load_scale(sc, j), B, BITS, o + j * B * es, DT, ADD);
+    if (add) { if (bits == 8) { TS_DEC_LOOP(DT_F32, 8, 1) } else { TS_DEC_LOOP(DT_F32, 4, 1) } }
+    else if (bits == 8) {
+        if (dt == DT_F32) { TS_DEC_LOOP(DT_F32, 8, 0) } else if (dt == DT_BF16) { TS_DEC_LOOP(DT_BF16, 8, 0) } else { TS_DEC_LOOP(DT_F16, 8, 0) }
+    } else {
+        if (dt == DT_F32) { TS_DEC_LOOP(DT_F32, 4, 0) } else if (dt == DT_BF16) { TS_DEC_LOOP(DT_BF16, 4, 0) } else { TS_DEC_LOOP(DT_F16, 4, 0) }
+    }
+#undef TS_DEC_LOOP
+}
+#else  /* plain loops, vectorized by the compiler where the target allows */
+static uint32_t absbits32(const uint32_t* restrict u, int64_t m) {
+    uint32_t a = 0;
+    for (int64_t i = 0; i < m; i++) { uint32_t v = u[i] & 0x7fffffffu; a = v > a ? v : a; }
+    return a;
+}
+static uint16_t absbits16(const uint16_t* restrict u, int64_t m) {
+    uint16_t a = 0;
+    for (int64_t i = 0; i < m; i++) { uint16_t v = u[i] & 0x7fffu; a = v > a ? v : a; }
+    return a;
+}
+static void quant_n(const void* restrict x, int dt, int64_t m, float scale, int32_t qmax, int32_t off, uint8_t* restrict q) {
+    if (dt == DT_F32) { const float* xf = (const float*)x; for (int64_t i = 0; i < m; i++) q[i] = quant1(xf[i], scale, qmax, off); }
+    else if (dt == DT_BF16) { const uint16_t* xh = (const uint16_t*)x; for (int64_t i = 0; i < m; i++) q[i] = quant1(bf16_to_f32(xh[i]), scale, qmax, off); }
+#if TS_HAVE_F16
+    else { const uint16_t* xh = (const uint16_t*)x; for (int64_t i = 0; i < m; i++) q[i] = quant1(f16_to_f32(xh[i]), scale, qmax, off); }
+#endif
+}
+static void pack4(const uint8_t* restrict q, int64_t pairs, uint8_t* restrict dst) {
+    for (int64_t p = 0; p < pairs; p++) dst[p] = (uint8_t)(q[2 * p] | (q[2 * p + 1] << 4));
+}
+static void unpack4(const uint8_t* restrict p, int64_t nbytes, uint8_t* restrict q) {
+    for (int64_t t = 0; t < nbytes; t++) { q[2 * t] = p[t] & 15u; q[2 * t + 1] = p[t] >> 4; }
+}
+static void dq_n(const uint8_t* restrict q, int32_t off, int64_t m, float s, void* restrict o, int dt, int add) {
+    if (add) { float* of = (float*)o; for (int64_t i = 0; i < m; i++) of[i] += dq1(q[i], off, s); }
+    else if (dt == DT_F32) { float* of = (float*)o; for (int64_t i = 0; i < m; i++) of[i] = dq1(q[i], off, s); }
+    else if (dt == DT_BF16) { uint16_t* oh = (uint16_t*)o; for (int64_t i = 0; i < m; i++) oh[i] = f32_to_bf16(dq1(q[i], off, s)); }
+#if TS_HAVE_F16
+    else { uint16_t* oh = (uint16_t*)o; for (int64_t i = 0; i < m; i++) oh[i] = f32_to_f16(dq1(q[i], off, s)); }
+#endif
+}
+#endif
+
+/* ---- encode ---- */
+static float block_scale(const char* x, int dt, int64_t m, int32_t qmax) {
+    float amax; int bad;
+    if (dt == DT_F32) { uint32_t a = absbits32((const uint32_t*)x, m); bad = a >= 0x7f800000u; memcpy(&amax, &a, 4); }
+    else {
+        uint16_t a = absbits16((const uint16_t*)x, m);
+        if (dt == DT_BF16) { bad = a >= 0x7f80u; amax = bf16_to_f32(a); }
+#if TS_HAVE_F16
+        else { bad = a >= 0x7c00u; amax = f16_to_f32(a); }
+#else
+        else { bad = 1; amax = 0.f; }
+#endif
+    }
+    return bad ? NAN : amax / (float)qmax;  /* a block holding inf or nan gets a nan scale: it decodes to nan */
+}
+
+/* Encode the values of blocks j0..j1-1 of one chunk of n values (the first one even): scales, then payload by tiles. */
+static void encode_range(const char* x, int dt, int64_t n, int64_t block, int bits, int64_t j0, int64_t j1,
+                         uint8_t* pay, uint8_t* sc) {
+    const int32_t qmax = bits == 8 ? 127 : 7, off = bits == 8 ? 0 : 8;
+    const int64_t es = dt == DT_F32 ? 4 : 2, a = j0 * block, b = j1 * block < n ? j1 * block : n;
+    uint8_t qbuf[TILE];
+    for (int64_t j = j0; j < j1; j++) {
+        const int64_t s = j * block, m = (s + block < n ? s + block : n) - s;
+        const float scale = block_scale(x + s * es, dt, m, qmax);
+        memcpy(sc + 4 * j, &scale, 4);
+    }
+    for (int64_t t = a; t < b; t += TILE) {
+        const int64_t te = t + TILE < b ? t + TILE : b;
+        uint8_t* q = bits == 8 ? pay + t : qbuf;
+        for (int64_t s = t; s < te;) {  /* the block segments inside this tile */
+            const int64_t j = s / block, e = (j + 1) * block < te ? (j + 1) * block : te;
+            const float scale = load_scale(sc, j);
+            if (scale > 0.f) quant_n(x + s * es, dt, e - s, scale, qmax, off, q + (s - t));
+            else memset(q + (s - t), off, (size_t)(e - s));  /* zero block (scale 0) or non-finite (nan) */
+            s = e;
+        }
+        if (bits == 4) {
+            int64_t cnt = te - t;
+            if (cnt & 1) qbuf[cnt++] = 8;  /* odd n: the last high nibble holds 0 */
+            pack4(qbuf, cnt / 2, pay + t / 2);
+        }
+    }
+}
+
+#ifdef TS_FAST_BLOCKS
+static int fast_block(int64_t block, int bits) { (void)bits; return block % 32 == 0; }
+#endif
+
+static void encode_unit(const char* x, int dt, int64_t n, int64_t block, int bits, int64_t j0, int64_t j1,
+                        uint8_t* pay, uint8_t* sc, int64_t ppad) {
+#ifdef TS_FAST_BLOCKS
+    if (fast_block(block, bits)) {
+        const int64_t whole = n / block, jf = j1 < whole ? j1 : whole;  /* blocks j0..jf-1 are whole */
+        if (jf > j0) encode_blocks_fast(x, dt, block, bits, j0, jf, pay, sc);
+        if (jf < j1) encode_range(x, dt, n, block, bits, jf > j0 ? jf : j0, j1, pay, sc);
+    } else
+#endif
+    encode_range(x, dt, n, block, bits, j0, j1, pay, sc);
+    if (j1 * block >= n && ppad > 0) memset(pay + (bits == 8 ? n : (n + 1) / 2), 0, (size_t)ppad);
+}
+
+/* Blocks per work unit: about 8192 values, and an even number of values so int4 units start on a byte. */
+static int64_t group_blocks(int64_t block) {
+    int64_t g = 8192 / block;
+    if (g < 1) g = 1;
+    if ((block & 1) && (g & 1)) g++;
+    return g;
+}
+
+int ts_has_f16(void) { return TS_HAVE_F16; }
+int ts_simd(void) { return TS_AVX512 ? 512 : 0; }
+
+/* Encode k chunks of n values: chunk order[i] (or i) of x -> payload at pay + i*pstride, fp32 scales at
+   sc + i*sstride, then ppad zero bytes after each payload. */
+int ts_encode(const void* x, int dt, int64_t n, int64_t k, const int64_t* order, int64_t block, int bits,
+              uint8_t* pay, int64_t pstride, uint8_t* sc, int64_t sstride, int64_t ppad, int nthreads) {
+    if (dt == DT_F16 && !TS_HAVE_F16) return -1;
+    const int64_t nb = (n + block - 1) / block, g = group_blocks(block), nu = (nb + g - 1) / g, total = k * nu;
+    const int64_t es = dt == DT_F32 ? 4 : 2;
+    if (nb == 0) {
+        for (int64_t i = 0; i < k && ppad > 0; i++) memset(pay + i * pstride, 0, (size_t)ppad);
+        return 0;
+    }
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if(nthreads > 1 && total > 1)
+    for (int64_t t = 0; t < total; t++) {
+        const int64_t i = t / nu, u = t % nu, c = order ? order[i] : i;
+        const int64_t j1 = (u + 1) * g < nb ? (u + 1) * g : nb;
+        encode_unit((const char*)x + c * n * es, dt, n, block, bits, u * g, j1, pay + i * pstride, sc + i * sstride, ppad);
+    }
+    return 0;
+}
+
+/* ---- decode ---- */
+/* Decode the values of blocks j0..j1-1 of one chunk into o (the chunk's first value); add: accumulate into fp32. */
+static void decode_range(const uint8_t* pay, const uint8_t* sc, int64_t n, int64_t block, int bits,
+                         int64_t j0, int64_t j1, char* o, int dt, int add) {
+    const int64_t es = add || dt == DT_F32 ? 4 : 2, a = j0 * block, b = j1 * block < n ? j1 * block : n;
+    const int32_t off = bits == 8 ? 0 : 8;
+    uint8_t qbuf[TILE];
+    for (int64_t t = a; t < b; t += TILE) {
+        const int64_t te = t + TILE < b ? t + TILE : b;
+        const uint8_t* q = pay + t;
+        if (bits == 4) { unpack4(pay + t / 2, (te - t + 1) / 2, qbuf); q = qbuf; }
+        for (int64_t s = t; s < te;) {
+            const int64_t j = s / block, e = (j + 1) * block < te ? (j + 1) * block : te;
+            dq_n(q + (s - t), off, e - s, load_scale(sc, j), o + s * es, dt, add);
+            s = e;
+        }
+    }
+}
+
+static void decode_unit(const uint8_t* pay, const uint8_t* sc, int64_t n, int64_t block, int bits,
+                        int64_t j0, int64_t j1, char* o, int dt, int add) {
+#ifdef TS_FAST_BLOCKS
+    if (fast_block(block, bits)) {
+        const int64_t whole = n / block, jf = j1 < whole ? j1 : whole;  /* blocks j0..jf-1 are whole */
+        if (jf > j0) decode_blocks_fast(pay, sc, block, bits, j0, jf, o, dt, add);
+        if (jf < j1) decode_range(pay, sc, n, block, bits, jf > j0 ? jf : j0, j1, o, dt, add);
+        return;
+    }
+#endif
+    decode_range(pay, sc, n, block, bits, j0, j1, o, dt, add);
+}
+
+/* sum == 0: chunk i -> out + i * ostride values of dtype dt. sum == 1: out (fp32, n values) = the k chunks added
+   in order i = 0..k-1. */
+int ts_decode(const uint8_t* pay, int64_t pstride, const uint8_t* sc, int64_t sstride, int64_t k, int64_t n,
+              int64_t block, int bits, void* out, int dt, int64_t ostride, int sum, int nthreads) {
+    if (dt == DT_F16 && !TS_HAVE_F16) return -1;
+    if (sum && dt != DT_F32) return -2;
+    const int64_t nb = (n + block - 1) / block, g = group_blocks(block), nu = (nb + g - 1) / g;
+    const int64_t es = dt == DT_F32 ? 4 : 2;
+    if (sum) {
+        if (k == 0) { memset(out, 0, (size_t)(n * 4)); return 0; }
+        #pragma omp parallel for schedule(static) num_threads(nthreads) if(nthreads > 1 && nu > 1)
+        for (int64_t u = 0; u < nu; u++) {
+            const int64_t j1 = (u + 1) * g < nb ? (u + 1) * g : nb;
+            for (int64_t i = 0; i < k; i++)
+                decode_unit(pay + i * pstride, sc + i * sstride, n, block, bits, u * g, j1, (char*)out, DT_F32, i > 0);
+        }
+        return 0;
+    }
+    const int64_t total = k * nu;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if(nthreads > 1 && total > 1)
+    for (int64_t t = 0; t < total; t++) {
+        const int64_t i = t / nu, u = t % nu, j1 = (u + 1) * g < nb ? (u + 1) * g : nb;
+        decode_unit(pay + i * pstride, sc + i * sstride, n, block, bits, u * g, j1, (char*)out + i * ostride * es, dt, 0);
+    }
+    return 0;
+}
+
+/* ---- row layouts (segments) ----
+   A chunk of n = rows * U values is `rows` rows of one layout whose blocks are given by bs[0..nbr]: block b of a row
+   covers columns [bs[b], bs[b+1]) (bs[0] = 0, bs[nbr] = U, every block at least one value), and block J of the chunk
+   is block J % nbr of row J / nbr, at value (J / nbr) * U + bs[J % nbr], with scale J. Blocks start anywhere, so
+   int4 blocks may start on an odd value (the high nibble of a byte). Work units are runs of whole blocks; an int4
+   unit writes its payload as a stream of nibbles: the byte holding values 2p and 2p+1 is written by the unit owning
+   value 2p, which quantizes value 2p+1 with the next block's scale, recomputed from the input (a thread never reads
+   what another writes); a unit starting on an odd value leaves the byte before it to the unit before. */
+
+/* int4 stream state inside a unit: `have` says the offset nibble of value p-1 (p odd, the next value to write)
+   waits in `carry` for its partner; `skip` that the unit starts on an odd value whose byte is not its own. */
+typedef struct { uint8_t carry; int have, skip; } nib_t;
+
+#define TS_ODD_MAX 4096  /* largest odd-start int4 block the fast path stages (in a stack buffer) */
+
+/* Blocks Ja..Jb-1 of a chunk (block Ja is block b of the row starting at value base; the run ends at value e) the
+   general way: int8 block by block (scale, then values); int4 by tiles staged as one byte per value and packed,
+   through the stream state (an odd first value pairs with the carried nibble, an odd end leaves its last nibble in
+   the carry). */
+__attribute__((noinline)) static void encode_seg_run(const char* x, int dt, const int64_t* bs, int64_t nbr,
+                                                     int64_t U, int bits, int64_t Ja, int64_t Jb, int64_t b,
+                                                     int64_t base, int64_t e, uint8_t* pay, uint8_t* sc, nib_t* st) {
+    const int32_t qmax = bits == 8 ? 127 : 7, off = bits == 8 ? 0 : 8;
+    const int64_t es = dt == DT_F32 ? 4 : 2;
+    if (bits == 8) {
+        for (int64_t J = Ja; J < Jb; J++) {
+            const int64_t s = base + bs[b], m = bs[b + 1] - bs[b];
+            const float scale = block_scale(x + s * es, dt, m, qmax);
+            memcpy(sc + 4 * J, &scale, 4);
+            if (scale > 0.f) quant_n(x + s * es, dt, m, scale, qmax, 0, pay + s);
+            else memset(pay + s, 0, (size_t)m);
+            if (++b == nbr) { b = 0; base += U; }
+        }
+        return;
+    }
+    int64_t J = Ja, s = base + bs[b], m = bs[b + 1] - bs[b];  /* int4: the tiles find the blocks up to e */
+    const int64_t a = s, t0 = a & ~(int64_t)1;
+    float scale = block_scale(x + s * es, dt, m, qmax);
+    memcpy(sc + 4 * J, &scale, 4);
+    uint8_t qbuf[TILE + 2];
+    for (int64_t t = t0; t < e; t += TILE) {
+        const int64_t te = t + TILE < e ? t + TILE : e;
+        int64_t p = t;
+        if (p < a) { qbuf[0] = st->have ? st->carry : 8; p = a; }  /* a odd: the carried nibble, or a byte to skip */
+        while (p < te) {
+            while (p >= s + m) {  /* the next block: its scale is computed just before its values are read */
+                J++;
+                if (++b == nbr) { b = 0; base += U; }
+                s = base + bs[b]; m = bs[b + 1] - bs[b];
+                scale = block_scale(x + s * es, dt, m, qmax);
+                memcpy(sc + 4 * J, &scale, 4);
+            }
+            const int64_t pe = s + m < te ? s + m : te;
+            if (scale > 0.f) quant_n(x + p * es, dt, pe - p, scale, qmax, off, qbuf + (p - t));
+            else memset(qbuf + (p - t), off, (size_t)(pe - p));
+            p = pe;
+        }
+        int64_t cnt = te - t;
+        st->have = (int)(cnt & 1);  /* only the last tile can end on an odd value */
+        if (cnt & 1) st->carry = qbuf[--cnt];
+        const int64_t skip = t == t0 && (a & 1) && st->skip;
+        if (cnt / 2 > skip) pack4(qbuf + 2 * skip, cnt / 2 - skip, pay + t / 2 + skip);
+    }
+    st->skip = 0;
+}
+
+/* One block of m values at value s, decoded the general way; add: accumulate into fp32 o. */
+static void decode_seg_block(const uint8_t* pay, int64_t s, int64_t m, float scale, int bits, char* o, int dt, int add) {
+    const int64_t es = add || dt == DT_F32 ? 4 : 2;
+    if (bits == 8) { dq_n(pay + s, 0, m, scale, o + s * es, dt, add); return; }
+    uint8_t qbuf[TILE + 2];
+    for (int64_t t = s; t < s + m; t += TILE) {
+        const int64_t te = t + TILE < s + m ? t + TILE : s + m, t0 = t & ~(int64_t)1;
+        unpack4(pay + t0 / 2, (te - t0 + 1) / 2, qbuf);
+        dq_n(qbuf + (t - t0), 8, te - t, scale, o + t * es, dt, add);
+    }
+}
+
+/* An int4 unit that ends on an odd value e: its last byte pairs the carried nibble with value e, quantized with the
+   scale of the block starting there (block b of the row at base), or with the padding nibble at the chunk's end. */
+static void finish_unit4(const char* x, int dt, int64_t n, const int64_t* bs, int64_t b, int64_t base, uint8_t* pay,
+                         const nib_t* st) {
+    if (!st->have) return;
+    const int64_t es = dt == DT_F32 ? 4 : 2, e = base + bs[b];
+    uint8_t v = 8;
+    if (e < n) {
+        const float s1 = block_scale(x + e * es, dt, bs[b + 1] - bs[b], 7);
+        if (s1 > 0.f) quant_n(x + e * es, dt, 1, s1, 7, 8, &v);
+    }
+    pay[(e - 1) / 2] = (uint8_t)(st->carry | (v << 4));
+}
+
+/* dst[j] = high nibble of src[j] | low nibble of src[j + 1] << 4, j < cnt: shifts a packed int4 stream by one value,
+   between the odd-aligned payload and the even-aligned bytes the fast block code reads and writes. */
+static inline void shift_nibbles(const uint8_t* restrict src, int64_t cnt, uint8_t* restrict dst) {
+    int64_t j = 0;
+#if TS_AVX512
+    const __m256i lo = _mm256_set1_epi8(0x0f), hi = _mm256_set1_epi8((char)0xf0);
+    for (; j + 32 <= cnt; j += 32) {
+        __m256i a = _mm256_loadu_si256((const __m256i*)(src + j)), c = _mm256_loadu_si256((const __m256i*)(src + j + 1));
+        _mm256_storeu_si256((__m256i*)(dst + j), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), lo),
+                                                                  _mm256_and_si256(_mm256_slli_epi16(c, 4), hi)));
+    }
+    if (j < cnt) {
+        const __mmask32 k = (__mmask32)((1ull << (cnt - j)) - 1u);
+        __m256i a = _mm256_maskz_loadu_epi8(k, src + j), c = _mm256_maskz_loadu_epi8(k, src + j + 1);
+        _mm256_mask_storeu_epi8(dst + j, k, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), lo),
+                                                           _mm256_and_si256(_mm256_slli_epi16(c, 4), hi)));
+    }
+#else
+    for (; j < cnt; j++) dst[j] = (uint8_t)((src[j] >> 4) | (src[j + 1] << 4));
+#endif
+}
+
+#ifdef TS_FAST_BLOCKS
+/* Blocks J0..J1-1 of a chunk. rl[b] counts the whole blocks of B values (B a multiple of 32) that follow one another
+   from block b of a row (within the row), so such runs go through the same straight loop as unsegmented chunks; other blocks of a
+   multiple of 32 values go one at a time, the rest by runs to encode_seg_run. int4 runs that start on an odd value
+   are encoded into a staging buffer as if aligned and shifted by one nibble into the payload, up to TS_ODD_MAX values
+   at a time. One specialised loop per dtype and width. */
+static void encode_unit_seg(const char* x, int dt, int64_t n, const int64_t* bs, const int64_t* rl, int64_t nbr,
+                            int64_t U, int64_t B, int bits, int64_t J0, int64_t J1, uint8_t* pay, uint8_t* sc) {
+    const int64_t es = dt == DT_F32 ? 4 : 2;
+    int64_t r = J0 / nbr, b = J0 - r * nbr, base = r * U, run = -1, run_b = 0, run_base = 0;
+    nib_t st = {0, 0, (int)((base + bs[b]) & 1)};
+    uint8_t L[TS_ODD_MAX / 2 + 1];
+#define TS_SEG_ENC(DT, BITS) \
+    for (int64_t J = J0; J < J1;) { \
+        const int64_t s = base + bs[b], m = bs[b + 1] - bs[b]; \
+        int64_t q = rl[b], Bq = B; \
+        if (q > J1 - J) q = J1 - J; \
+        if (q == 0 && m % 32 == 0) { q = 1; Bq = m; } \
+        if (q > 0 && (BITS == 8 || !(s & 1) || Bq <= TS_ODD_MAX)) { \
+            if (run >= 0) { encode_seg_run(x, DT, bs, nbr, U, BITS, run, J, run_b, run_base, s, pay, sc, &st); run = -1; } \
+            if (BITS == 8 || !(s & 1)) { \
+                for (int64_t i = 0; i < q; i++) { \
+                    const int64_t v = s + i * Bq; float s_; \
+                    encode_block_fast_t(x + v * es, DT, Bq, BITS, pay + (BITS == 8 ? v : v / 2), &s_); \
+                    memcpy(sc + 4 * (J + i), &s_, 4); \
+                } \
+            } else { \
+                const int64_t per = TS_ODD_MAX / Bq; \
+                for (int64_t i0 = 0; i0 < q; i0 += per) { \
+                    const int64_t cq = q - i0 < per ? q - i0 : per, v0 = s + i0 * Bq, nb2 = cq * Bq / 2; \
+                    for (int64_t i = 0; i < cq; i++) { \
+                        float s_; \
+                        encode_block_fast_t(x + (v0 + i * Bq) * es, DT, Bq, 4, L + 1 + i * Bq / 2, &s_); \
+                        memcpy(sc + 4 * (J + i0 + i), &s_, 4); \
+                    } \
+                    L[0] = (uint8_t)(st.carry << 4); \
+                    if (st.skip) shift_nibbles(L + 1, nb2 - 1, pay + v0 / 2 + 1); \
+                    else shift_nibbles(L, nb2, pay + v0 / 2); \
+                    st.carry = L[nb2] >> 4; st.have = 1; st.skip = 0; \
+                } \
+            } \
+        } else { \
+            q = 1; \
+            if (run < 0) { run = J; run_b = b; run_base = base; } \
+        } \
+        J += q; b += q; \
+        if (b == nbr) { b = 0; base += U; } \
+    }
+    if (bits == 8) {
+        if (dt == DT_F32) { TS_SEG_ENC(DT_F32, 8) } else if (dt == DT_BF16) { TS_SEG_ENC(DT_BF16, 8) } else { TS_SEG_ENC(DT_F16, 8) }
+    } else {
+        if (dt == DT_F32) { TS_SEG_ENC(DT_F32, 4) } else if (dt == DT_BF16) { TS_SEG_ENC(DT_BF16, 4) } else { TS_SEG_ENC(DT_F16, 4) }
+    }
+#undef TS_SEG_ENC
+    if (run >= 0) encode_seg_run(x, dt, bs, nbr, U, bits, run, J1, run_b, run_base, base + bs[b], pay, sc, &st);
+    if (bits == 4) finish_unit4(x, dt, n, bs, b, base, pay, &st);
+}
+static void decode_unit_seg(const uint8_t* pay, const uint8_t* sc, const int64_t* bs, const int64_t* rl, int64_t nbr,
+                            int64_t U, int64_t B, int bits, int64_t J0, int64_t J1, char* o, int dt, int add) {
+    const int64_t es = add || dt == DT_F32 ? 4 : 2;
+    int64_t r = J0 / nbr, b = J0 - r * nbr, base = r * U;
+    uint8_t L[TS_ODD_MAX / 2];
+#define TS_SEG_DEC(DT, BITS, ADD) \
+    for (int64_t J = J0; J < J1;) { \
+        const int64_t s = base + bs[b], m = bs[b + 1] - bs[b]; \
+        int64_t q = rl[b], Bq = B; \
+        if (q > J1 - J) q = J1 - J; \
+        if (q == 0 && m % 32 == 0) { q = 1; Bq = m; } \
+        if (q > 0 && (BITS == 8 || !(s & 1))) { \
+            for (int64_t i = 0; i < q; i++) { \
+                const int64_t v = s + i * Bq; \
+                decode_block_fast_t(pay + (BITS == 8 ? v : v / 2), load_scale(sc, J + i), Bq, BITS, o + v * es, DT, ADD); \
+            } \
+        } else if (q > 0 && Bq <= TS_ODD_MAX) { \
+            const int64_t per = TS_ODD_MAX / Bq; \
+            for (int64_t i0 = 0; i0 < q; i0 += per) { \
+                const int64_t cq = q - i0 < per ? q - i0 : per, v0 = s + i0 * Bq; \
+                shift_nibbles(pay + v0 / 2, cq * Bq / 2, L); \
+                for (int64_t i = 0; i < cq; i++) \
+                    decode_block_fast_t(L + i * Bq / 2, load_scale(sc, J + i0 + i), Bq, 4, o + (v0 + i * Bq) * es, DT, ADD); \
+            } \
+        } else { \
+            q = 1; \
+            decode_seg_block(pay, s, m, load_scale(sc, J), BITS, o, DT, ADD); \
+        } \
+        J += q; b += q; \
+        if (b == nbr) { b = 0; base += U; } \
+    }
+    if (add) { if (bits == 8) { TS_SEG_DEC(DT_F32, 8, 1) } else { TS_SEG_DEC(DT_F32, 4, 1) } }
+    else if (bits == 8) {
+        if (dt == DT_F32) { TS_SEG_DEC(DT_F32, 8, 0) } else if (dt == DT_BF16) { TS_SEG_DEC(DT_BF16, 8, 0) } else { TS_SEG_DEC(DT_F16, 8, 0) }
+    } else {
+        if (dt == DT_F32) { TS_SEG_DEC(DT_F32, 4, 0) } else if (dt == DT_BF16) { TS_SEG_DEC(DT_BF16, 4, 0) } else { TS_SEG_DEC(DT_F16, 4, 0) }
+    }
+#undef TS_SEG_DEC
+}
+#else
+static void encode_unit_seg(const char* x, int dt, int64_t n, const int64_t* bs, const int64_t* rl, int64_t nbr,
+                            int64_t U, int64_t B, int bits, int64_t J0, int64_t J1, uint8_t* pay, uint8_t* sc) {
+    (void)rl; (void)B;
+    const int64_t r = J0 / nbr, b = J0 - r * nbr, r1 = J1 / nbr, b1 = J1 - r1 * nbr;
+    nib_t st = {0, 0, (int)((r * U + bs[b]) & 1)};
+    encode_seg_run(x, dt, bs, nbr, U, bits, J0, J1, b, r * U, r1 * U + bs[b1], pay, sc, &st);
+    if (bits == 4) finish_unit4(x, dt, n, bs, b1, r1 * U, pay, &st);
+}
+static void decode_unit_seg(const uint8_t* pay, const uint8_t* sc, const int64_t* bs, const int64_t* rl, int64_t nbr,
+                            int64_t U, int64_t B, int bits, int64_t J0, int64_t J1, char* o, int dt, int add) {
+    (void)rl; (void)B;
+    int64_t r = J0 / nbr, b = J0 - r * nbr, base = r * U;
+    for (int64_t J = J0; J < J1; J++) {
+        decode_seg_block(pay, base + bs[b], bs[b + 1] - bs[b], load_scale(sc, J), bits, o, dt, add);
+        if (++b == nbr) { b = 0; base += U; }
+    }
+}
+#endif
+
+/* ts_encode / ts_decode for chunks of n = rows * U values laid out by the block table bs: nbr + 1 block offsets in a
+   row (see above), then rl, nbr counts of the whole blocks of `block` values that follow one another from each block of
+   a row (all 0 unless block is a multiple of 32). Work units are about 8192 values of blocks. */
+int ts_encode_seg(const void* x, int dt, int64_t n, int64_t k, const int64_t* order, const int64_t* bs, int64_t nbr,
+                  int64_t U, int64_t block, int bits, uint8_t* pay, int64_t pstride, uint8_t* sc, int64_t sstride,
+                  int64_t ppad, int nthreads) {
+    if (dt == DT_F16 && !TS_HAVE_F16) return -1;
+    if (U < 1 || nbr < 1 || n % U) return -3;
+    const int64_t nb = n / U * nbr, g = block < 8192 ? 8192 / block : 1, nu = (nb + g - 1) / g, total = k * nu;
+    const int64_t es = dt == DT_F32 ? 4 : 2, P = bits == 8 ? n : (n + 1) / 2;
+    for (int64_t i = 0; i < k && ppad > 0; i++) memset(pay + i * pstride + P, 0, (size_t)ppad);
+    if (nb == 0) return 0;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if(nthreads > 1 && total > 1)
+    for (int64_t t = 0; t < total; t++) {
+        const int64_t i = t / nu, u = t % nu, c = order ? order[i] : i;
+        const int64_t j1 = (u + 1) * g < nb ? (u + 1) * g : nb;
+        encode_unit_seg((const char*)x + c * n * es, dt, n, bs, bs + nbr + 1, nbr, U, block, bits, u * g, j1, pay + i * pstride,
+                        sc + i * sstride);
+    }
+    return 0;
+}
+
+int ts_decode_seg(const uint8_t* pay, int64_t pstride, const uint8_t* sc, int64_t sstride, int64_t k, int64_t n,
+                  const int64_t* bs, int64_t nbr, int64_t U, int64_t block, int bits, void* out, int dt,
+                  int64_t ostride, int sum, int nthreads) {
+    if (dt == DT_F16 && !TS_HAVE_F16) return -1;
+    if (sum && dt != DT_F32) return -2;
+    if (U < 1 || nbr < 1 || n % U) return -3;
+    const int64_t nb = n / U * nbr, g = block < 8192 ? 8192 / block : 1, nu = (nb + g - 1) / g;
+    const int64_t es = dt == DT_F32 ? 4 : 2;
+    if (sum) {
+        if (k == 0) { memset(out, 0, (size_t)(n * 4)); return 0; }
+        #pragma omp parallel for schedule(static) num_threads(nthreads) if(nthreads > 1 && nu > 1)
+        for (int64_t u = 0; u < nu; u++) {
+            const int64_t j1 = (u + 1) * g < nb ? (u + 1) * g : nb;
+            for (int64_t i = 0; i < k; i++)
+                decode_unit_seg(pay + i * pstride, sc + i * sstride, bs, bs + nbr + 1, nbr, U, block, bits, u * g, j1, (char*)out,
+                                DT_F32, i > 0);
+        }
+        return 0;
+    }
+    const int64_t total = k * nu;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if(nthreads > 1 && total > 1)
+    for (int64_t t = 0; t < total; t++) {
+        const int64_t i = t / nu, u = t % nu, j1 = (u + 1) * g < nb ? (u + 1) * g : nb;
+        decode_unit_seg(pay + i * pstride, sc + i * sstride, bs, bs + nbr + 1, nbr, U, block, bits, u * g, j1,
+                        (char*)out + i * ostride * es, dt, 0);
+    }
+    return 0;
+}

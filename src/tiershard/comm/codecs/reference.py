@@ -1,0 +1,105 @@
+"""The reference torch path of the block codecs (format: ``format.py``): plain torch ops, vectorised over k chunks.
+
+Why it exists beside the kernels: it is the definition the C and Triton kernels are checked against bit for bit
+(``backends._self_check``, the tests), and the path every device takes when no kernel serves it (no compiler, no
+``triton``, ``TIERSHARD_CODEC_KERNELS=torch``, or a device with no kernels). The functions take the codec's scalars
+(``bits``, ``block``; qmax follows from ``bits``) rather than a ``BlockCodec``, so this module needs only the format.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .format import _QMAX, Order, _Layout, _order_index, padded_payload_bytes, payload_numel, scales_numel, wire_bytes
+
+__all__ = ["encode", "decode", "encode_rows", "decode_rows", "wire_views"]
+
+
+@torch.no_grad()
+def encode(bits: int, block: int, rows: Tensor, lay: _Layout | None = None) -> tuple[Tensor, Tensor]:
+    """(k, n) float values -> (k, payload_numel) payload and (k, nblocks) fp32 scales; with a row layout every
+    block is first widened to ``block`` values in a padded copy of each row."""
+    k, n = rows.shape
+    qmax = _QMAX[bits]
+    nb = scales_numel(block, n, lay)
+    x = rows.float()
+    if lay is not None:
+        gather, place, _ = lay.ref_index(x.device)
+        x = torch.nn.functional.pad(x.reshape(-1, lay.U), (0, 1)).index_select(1, gather)  # column U is 0
+    elif nb * block != n:  # zero padding: costs no error because 0 encodes exactly
+        x = torch.nn.functional.pad(x, (0, nb * block - n))
+    blocks = x.reshape(k, nb, block)
+    amax = blocks.abs().amax(dim=2)  # propagates nan, and inf stays inf
+    finite = torch.isfinite(amax)
+    scales = torch.where(finite, amax / qmax, torch.full_like(amax, float("nan")))
+    # Dividing by 1 in zero blocks gives exact zeros (and no 0/0); scales stay 0 so decoding gives 0 too.
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(blocks / safe[..., None]).clamp_(-qmax, qmax)
+    q = torch.where(finite[..., None], q, torch.zeros_like(q))
+    if lay is not None:  # back from the padded rows to the real columns
+        q = q.reshape(-1, lay.nbr * block).index_select(1, place).reshape(k, n)
+    else:
+        q = q.view(k, -1)[:, :n]
+    if bits == 8:
+        return q.to(torch.int8), scales
+    if n % 2:
+        q = torch.nn.functional.pad(q, (0, 1))
+    nib = (q + 8).to(torch.uint8).view(k, -1, 2)
+    return nib[..., 0] | (nib[..., 1] << 4), scales
+
+
+@torch.no_grad()
+def decode(bits: int, block: int, payload: Tensor, scales: Tensor, n: int, lay: _Layout | None = None) -> Tensor:
+    """(k, payload_numel) payload and (k, nblocks) fp32 scales -> (k, n) fp32 values."""
+    k = payload.shape[0]
+    if bits == 8:
+        q = payload.view(torch.int8).float()
+    else:
+        q = torch.stack([payload & 0xF, payload >> 4], dim=2).view(k, -1)[:, :n].float() - 8
+    if lay is not None:  # each column's block, row by row
+        owner = lay.ref_index(payload.device)[2]
+        return q * scales.float().reshape(-1, lay.nbr).index_select(1, owner).reshape(k, n)
+    return q * scales.float().repeat_interleave(block, dim=1)[:, :n]
+
+
+@torch.no_grad()
+def encode_rows(bits: int, block: int, x: Tensor, k: int, n: int, order: Order, pay: Tensor, sc: Tensor,
+                pad: Tensor | None, lay: _Layout | None = None) -> None:
+    """Encode chunk order[i] (or i) of flat ``x`` into uint8 row views pay[i], sc[i]; zero ``pad``."""
+    if n == 0:
+        return
+    rows = x.view(k, n)
+    idx = _order_index(order, k, x.device)
+    if idx is not None:
+        rows = rows.index_select(0, idx)
+    payload, scales = encode(bits, block, rows, lay)
+    pay.copy_(payload.view(torch.uint8))
+    sc.copy_(scales.view(torch.uint8))
+    if pad is not None:
+        pad.zero_()
+
+
+@torch.no_grad()
+def decode_rows(bits: int, block: int, pay: Tensor, sc: Tensor, k: int, n: int, out: Tensor | None,
+                sum_out: Tensor | None, lay: _Layout | None = None) -> None:
+    """Decode uint8 row views into flat ``out`` (k*n values) or, summed in fp32, ``sum_out``."""
+    if n == 0:
+        return
+    values = decode(bits, block, pay, sc.contiguous().view(torch.float32), n, lay)
+    if out is not None:
+        out.view(k, n).copy_(values)
+    elif k == 0:
+        sum_out.zero_()
+    else:
+        sum_out.copy_(values[0])
+        for i in range(1, k):  # row order, as the kernels add
+            sum_out.add_(values[i])
+
+
+def wire_views(bits: int, block: int, wire: Tensor, k: int, n: int,
+               W: int | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(payload, scales, padding) row views of a checked wire buffer of k chunks of ``n`` values, W bytes each
+    (given with a row layout; the flat chunk size when None)."""
+    P, P4 = payload_numel(bits, n), padded_payload_bytes(bits, n)
+    rows = wire.view(k, wire_bytes(bits, block, n) if W is None else W)
+    return rows[:, :P], rows[:, P4:], rows[:, P:P4] if P4 > P else None

@@ -1,0 +1,472 @@
+"""Triton kernels for the codecs' wire API on CUDA tensors (format: ``format.py``); importing this needs ``triton``.
+
+Same arithmetic as the CPU kernels and the torch reference, so all three give the same bits: IEEE division
+(``tl.div_rn``; a plain ``/`` is an approximate division on NVIDIA GPUs), round half to even (adding and
+subtracting 1.5 * 2**23, exact for |y| < 2**22, and |x / scale| <= 2 * qmax here), fp32 multiply, and kernels
+launched with ``enable_fp_fusion=False`` so no multiply-add is contracted into an FMA (that would change the
+rounding of decode_wire_sum); bf16 outputs are rounded to nearest even by integer arithmetic, as torch does.
+Nothing here reads a value back to the host: launches only. Scales are read and written as fp32 through the wire
+buffer, which ``backends.py`` only hands over when it is 4-byte aligned.
+
+``tests/comm/test_codecs.py`` runs these kernels in Triton's CPU interpreter (``TRITON_INTERPRET=1``) against the
+reference, bit for bit, whenever ``triton`` is installed.
+
+Kernels: one program per (chunk, block) encodes a whole block when it fits in registers (int8 any block, int4 an
+even block, up to ``_FUSED_MAX`` values); otherwise one program per (chunk, block) writes the scales and a second
+kernel quantizes per value (int4 odd blocks pair values across two blocks). Decoding is one program per (chunk,
+tile of values); the sum loops over the chunks inside each program. Row layouts (``segments``) have their own
+kernels (``*_seg``), driven by the layout's block table: one program per (block, chunk), see below.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+class Codec(Protocol):
+    """What the kernels read of a ``block.BlockCodec`` (typed here so that this module imports none of the codec's
+    modules)."""
+
+    bits: int
+    block: int
+
+    def payload_numel(self, numel: int) -> int: ...
+    def padded_payload_bytes(self, numel: int) -> int: ...
+    def wire_bytes(self, numel: int, segments=None) -> int: ...
+    def scales_numel(self, numel: int, segments=None) -> int: ...
+
+
+__all__ = ["encode_wire", "decode_wire", "decode_wire_sum", "encode_wire_seg", "decode_wire_seg", "decode_wire_sum_seg",
+           "triton"]
+
+_FUSED_MAX = 4096   # values per block that one program encodes in registers
+_SCALE_TILE = 1024  # values per step when a scale program loops over a large block
+_TILE = 1024        # values per decode / quantize program
+_FLT_MAX = 3.4028234663852886e38
+
+
+@triton.jit
+def _rne(y):
+    return (y + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _quant(x, scale, QMAX: tl.constexpr):
+    """clamp(round_half_even(x / scale)) as int32; 0 where the block is zero (scale 0) or non-finite (nan scale)."""
+    ok = scale > 0.0
+    safe = tl.where(ok, scale, 1.0)
+    q = _rne(tl.div_rn(x, safe))
+    q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+    return tl.where(ok, q, 0.0).to(tl.int32)
+
+
+@triton.jit
+def _block_scale(amax, nonfinite, QMAX: tl.constexpr):
+    return tl.where(nonfinite, float("nan"), tl.div_rn(amax, QMAX * 1.0))
+
+
+@triton.jit
+def _store_scale(row, P4, j, scale):
+    """Scale j of a wire row (the caller guarantees the 4-byte alignment of the buffer; P4 and W are multiples of 4)."""
+    tl.store((row + P4).to(tl.pointer_type(tl.float32)) + j, scale)
+
+
+@triton.jit
+def _load_scale(row, P4, b):
+    """Scales of blocks b (a tensor of block indices) of a wire row."""
+    return tl.load((row + P4).to(tl.pointer_type(tl.float32)) + b)
+
+
+@triton.jit
+def _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER: tl.constexpr):
+    """Where wire row i's chunk starts in x: chunk order[i] with an order, else chunk i."""
+    if HAS_ORDER:
+        c = tl.load(order_ptr + i).to(tl.int64)
+    else:
+        c = i.to(tl.int64)
+    return x_ptr + c * n
+
+
+@triton.jit
+def _tiled_block_scale(src, start, m, QMAX: tl.constexpr, TILE: tl.constexpr):
+    """The scale of the m values at src + start (a block of any size), read TILE values at a time."""
+    amax = tl.zeros([TILE], dtype=tl.float32)
+    bad = tl.zeros([TILE], dtype=tl.int32)
+    for t in range(0, m, TILE):
+        offs = t + tl.arange(0, TILE)
+        mask = offs < m
+        a = tl.abs(tl.load(src + start + offs, mask=mask, other=0.0).to(tl.float32))
+        amax = tl.maximum(amax, tl.where(mask, a, 0.0))
+        bad = bad + tl.where(mask & ~(a <= _FLT_MAX), 1, 0)
+    return _block_scale(tl.max(amax, axis=0), tl.max(bad, axis=0) > 0, QMAX)
+
+
+@triton.jit
+def _unpack(row, e, mask, BITS: tl.constexpr):
+    """The quantized values e (a tensor of value indices) of one wire row, as fp32 integers."""
+    if BITS == 8:
+        q = tl.load(row + e, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    else:
+        b = tl.load(row + e // 2, mask=mask, other=0).to(tl.int32)
+        q = tl.where(e % 2 == 0, b & 15, b >> 4).to(tl.float32) - 8.0
+    return q
+
+
+@triton.jit
+def _store_values(out, v, mask):
+    """Store fp32 values v in out's dtype; bf16 rounds to nearest even by hand, as torch and the CPU kernels do (a
+    nan comes from a nan scale)."""
+    if out.dtype.element_ty == tl.bfloat16:
+        b = v.to(tl.uint32, bitcast=True)
+        r = tl.where(v != v, 0x7FC0, (b + 0x7FFF + ((b >> 16) & 1)) >> 16)
+        tl.store(out, r.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(out, v.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _encode_fused(x_ptr, order_ptr, out_ptr, n, block, W, P4,
+                  HAS_ORDER: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
+    row = out_ptr + i.to(tl.int64) * W
+    start = j * block
+    m = tl.minimum(block, n - start)
+    QMAX: tl.constexpr = 127 if BITS == 8 else 7
+    if BITS == 8:
+        offs = tl.arange(0, BLOCK)
+        mask = offs < m
+        x = tl.load(src + start + offs, mask=mask, other=0.0).to(tl.float32)
+        ax = tl.abs(x)
+        amax = tl.max(tl.where(mask, ax, 0.0), axis=0)
+        nonfinite = tl.max(tl.where(mask & ~(ax <= _FLT_MAX), 1, 0), axis=0) > 0
+        scale = _block_scale(amax, nonfinite, QMAX)
+        q = _quant(x, scale, QMAX)
+        tl.store(row + start + offs, (q & 0xFF).to(tl.uint8), mask=mask)
+    else:
+        half = tl.arange(0, BLOCK // 2)
+        m0 = 2 * half < m
+        m1 = 2 * half + 1 < m
+        x0 = tl.load(src + start + 2 * half, mask=m0, other=0.0).to(tl.float32)
+        x1 = tl.load(src + start + 2 * half + 1, mask=m1, other=0.0).to(tl.float32)
+        a0 = tl.abs(x0)
+        a1 = tl.abs(x1)
+        amax = tl.maximum(tl.max(tl.where(m0, a0, 0.0), axis=0), tl.max(tl.where(m1, a1, 0.0), axis=0))
+        bad = tl.where(m0 & ~(a0 <= _FLT_MAX), 1, 0) + tl.where(m1 & ~(a1 <= _FLT_MAX), 1, 0)
+        scale = _block_scale(amax, tl.max(bad, axis=0) > 0, QMAX)
+        lo = _quant(x0, scale, QMAX) + 8
+        hi = tl.where(m1, _quant(x1, scale, QMAX) + 8, 8)
+        tl.store(row + start // 2 + half, (lo | (hi << 4)).to(tl.uint8), mask=m0)
+    _store_scale(row, P4, j, scale)
+
+
+@triton.jit
+def _encode_scales(x_ptr, order_ptr, out_ptr, n, block, W, P4,
+                   HAS_ORDER: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr):
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
+    start = j.to(tl.int64) * block
+    m = tl.minimum(block, n - start)
+    QMAX: tl.constexpr = 127 if BITS == 8 else 7
+    scale = _tiled_block_scale(src, start, m, QMAX, TILE)
+    _store_scale(out_ptr + i.to(tl.int64) * W, P4, j, scale)
+
+
+@triton.jit
+def _encode_values(x_ptr, order_ptr, out_ptr, n, block, W, P4,
+                   HAS_ORDER: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr):
+    """Quantize with the scales _encode_scales wrote: TILE values (int8) or TILE bytes of value pairs (int4)."""
+    i = tl.program_id(0)
+    t = tl.program_id(1)
+    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
+    row = out_ptr + i.to(tl.int64) * W
+    offs = t.to(tl.int64) * TILE + tl.arange(0, TILE)
+    QMAX: tl.constexpr = 127 if BITS == 8 else 7
+    if BITS == 8:
+        mask = offs < n
+        x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+        s = _load_scale(row, P4, tl.where(mask, offs // block, 0))
+        tl.store(row + offs, (_quant(x, s, QMAX) & 0xFF).to(tl.uint8), mask=mask)
+    else:
+        e0 = 2 * offs
+        m0 = e0 < n
+        m1 = e0 + 1 < n
+        x0 = tl.load(src + e0, mask=m0, other=0.0).to(tl.float32)
+        x1 = tl.load(src + e0 + 1, mask=m1, other=0.0).to(tl.float32)
+        s0 = _load_scale(row, P4, tl.where(m0, e0 // block, 0))
+        s1 = _load_scale(row, P4, tl.where(m1, (e0 + 1) // block, 0))
+        lo = _quant(x0, s0, QMAX) + 8
+        hi = tl.where(m1, _quant(x1, s1, QMAX) + 8, 8)
+        tl.store(row + offs, (lo | (hi << 4)).to(tl.uint8), mask=m0)
+
+
+@triton.jit
+def _dequant(row, P4, e, mask, block, BITS: tl.constexpr):
+    """fp32 values e (a tensor of value indices) of one wire row."""
+    return _unpack(row, e, mask, BITS) * _load_scale(row, P4, tl.where(mask, e // block, 0))
+
+
+@triton.jit
+def _decode(wire_ptr, out_ptr, n, block, W, P4, BITS: tl.constexpr, TILE: tl.constexpr):
+    i = tl.program_id(0)
+    e = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
+    mask = e < n
+    v = _dequant(wire_ptr + i.to(tl.int64) * W, P4, e, mask, block, BITS)
+    _store_values(out_ptr + i.to(tl.int64) * n + e, v, mask)
+
+
+@triton.jit
+def _decode_sum(wire_ptr, out_ptr, k, n, block, W, P4, BITS: tl.constexpr, TILE: tl.constexpr):
+    e = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    mask = e < n
+    acc = _dequant(wire_ptr, P4, e, mask, block, BITS)
+    row = wire_ptr
+    for _ in range(1, k):  # row order, as the CPU kernels and the reference add
+        row += W  # a pointer: 64-bit arithmetic however large k * W is
+        acc = acc + _dequant(row, P4, e, mask, block, BITS)
+    tl.store(out_ptr + e, acc, mask=mask)
+
+
+def _pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def encode_wire(codec: Codec, x: Tensor, k: int, n: int, out: Tensor, order: Tensor | None) -> None:
+    """Launch the encode kernels: x (k*n values, contiguous), out (k * wire_bytes(n) uint8), order (int64 or None)."""
+    W, P, P4 = codec.wire_bytes(n), codec.payload_numel(n), codec.padded_payload_bytes(n)
+    if P4 > P:  # alignment bytes: zeroed so the wire content is deterministic
+        out.view(k, W)[:, P:P4].zero_()
+    nb = codec.scales_numel(n)
+    if nb == 0:
+        return
+    has_order = order is not None
+    order_arg = order if has_order else out  # any pointer; unused without HAS_ORDER
+    block = codec.block
+    if block <= _FUSED_MAX and (codec.bits == 8 or block % 2 == 0):
+        _encode_fused[(k, nb)](x, order_arg, out, n, block, W, P4, HAS_ORDER=has_order, BITS=codec.bits,
+                               BLOCK=max(_pow2(block), 2), enable_fp_fusion=False)
+        return
+    _encode_scales[(k, nb)](x, order_arg, out, n, block, W, P4, HAS_ORDER=has_order, BITS=codec.bits,
+                            TILE=_SCALE_TILE, enable_fp_fusion=False)
+    units = P if codec.bits == 4 else n
+    _encode_values[(k, triton.cdiv(units, _TILE))](x, order_arg, out, n, block, W, P4, HAS_ORDER=has_order,
+                                                   BITS=codec.bits, TILE=_TILE, enable_fp_fusion=False)
+
+
+def decode_wire(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor) -> None:
+    """Launch the decode kernel: row i of wire -> out[i*n:(i+1)*n] in out's dtype."""
+    if n == 0 or k == 0:
+        return
+    _decode[(k, triton.cdiv(n, _TILE))](wire, out, n, codec.block, codec.wire_bytes(n),
+                                       codec.padded_payload_bytes(n), BITS=codec.bits, TILE=_TILE,
+                                       enable_fp_fusion=False)
+
+
+def decode_wire_sum(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor) -> None:
+    """Launch the fused decode-and-sum kernel: out (n fp32) = rows 0..k-1 of wire, decoded and added in order."""
+    if k == 0:
+        out.zero_()
+        return
+    if n == 0:
+        return
+    _decode_sum[(triton.cdiv(n, _TILE),)](wire, out, k, n, codec.block, codec.wire_bytes(n),
+                                          codec.padded_payload_bytes(n), BITS=codec.bits, TILE=_TILE,
+                                          enable_fp_fusion=False)
+
+
+# ---- row layouts (segments) ----------------------------------------------------------------------------------
+# Block j of a chunk is block j % nbr of row j // nbr; ``tab`` holds the nbr + 1 block offsets of one row (int64,
+# on the device). One program per (block, chunk), blocks on grid axis 0 (whose limit is 2**31 - 1, not 65535), and
+# per tile of the block where a block is larger than one program's tile. An int4 byte is written by the program
+# that owns its even value; when a block ends on an odd value, its program also quantizes the next block's first
+# value, with that block's scale (recomputed, or read back in the two-kernel path).
+
+
+@triton.jit
+def _seg_block(tab_ptr, j, nbr, U):
+    """First value (in the chunk) and length of block j."""
+    r = j // nbr
+    b = j - r * nbr
+    lo = tl.load(tab_ptr + b)
+    return r * U + lo, tl.load(tab_ptr + b + 1) - lo
+
+
+@triton.jit
+def _block_absmax(src, start, m, BLOCK: tl.constexpr):
+    """(absmax, non-finite) of the m <= BLOCK values at src + start."""
+    offs = tl.arange(0, BLOCK)
+    mask = offs < m
+    ax = tl.abs(tl.load(src + start + offs, mask=mask, other=0.0).to(tl.float32))
+    return tl.max(tl.where(mask, ax, 0.0), axis=0), tl.max(tl.where(mask & ~(ax <= _FLT_MAX), 1, 0), axis=0) > 0
+
+
+@triton.jit
+def _store_pairs(src, row, lo_v, hi_v, end, n, scale, scale_next, QMAX: tl.constexpr, PAIRS: tl.constexpr):
+    """int4 bytes for the even values e in [lo_v, hi_v) of a block ending at ``end``: e with ``scale``, and e + 1 with
+    ``scale`` inside the block, ``scale_next`` when it starts the next block, or the padding nibble past n."""
+    e = lo_v + (lo_v % 2) + 2 * tl.arange(0, PAIRS)
+    ok = e < hi_v
+    inside = e + 1 < end
+    nxt = (e + 1 == end) & (e + 1 < n)
+    x0 = tl.load(src + e, mask=ok, other=0.0).to(tl.float32)
+    x1 = tl.load(src + e + 1, mask=ok & (inside | nxt), other=0.0).to(tl.float32)
+    lo = _quant(x0, scale, QMAX) + 8
+    hi = tl.where(inside, _quant(x1, scale, QMAX), tl.where(nxt, _quant(x1, scale_next, QMAX), 0)) + 8
+    tl.store(row + e // 2, (lo | (hi << 4)).to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def _encode_seg_fused(x_ptr, order_ptr, out_ptr, tab_ptr, n, nbr, U, nbt, W, P4,
+                      HAS_ORDER: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    j = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1)
+    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
+    row = out_ptr + i.to(tl.int64) * W
+    start, m = _seg_block(tab_ptr, j, nbr, U)
+    QMAX: tl.constexpr = 127 if BITS == 8 else 7
+    amax, bad = _block_absmax(src, start, m, BLOCK)
+    scale = _block_scale(amax, bad, QMAX)
+    if BITS == 8:
+        offs = tl.arange(0, BLOCK)
+        mask = offs < m
+        x = tl.load(src + start + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(row + start + offs, (_quant(x, scale, QMAX) & 0xFF).to(tl.uint8), mask=mask)
+    else:
+        end = start + m
+        # the next block's scale, needed only when this block ends on an odd value inside the chunk
+        start1, m1 = _seg_block(tab_ptr, tl.minimum(j + 1, nbt - 1), nbr, U)
+        m1 = tl.where((end % 2 == 1) & (j + 1 < nbt), m1, 0)
+        amax1, bad1 = _block_absmax(src, start1, m1, BLOCK)
+        _store_pairs(src, row, start, end, end, n, scale, _block_scale(amax1, bad1, QMAX), QMAX, BLOCK // 2)
+    _store_scale(row, P4, j, scale)
+
+
+@triton.jit
+def _encode_seg_scales(x_ptr, order_ptr, out_ptr, tab_ptr, n, nbr, U, W, P4,
+                       HAS_ORDER: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr):
+    j = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1)
+    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
+    start, m = _seg_block(tab_ptr, j, nbr, U)
+    QMAX: tl.constexpr = 127 if BITS == 8 else 7
+    scale = _tiled_block_scale(src, start, m, QMAX, TILE)
+    _store_scale(out_ptr + i.to(tl.int64) * W, P4, j, scale)
+
+
+@triton.jit
+def _encode_seg_values(x_ptr, order_ptr, out_ptr, tab_ptr, n, nbr, U, nbt, W, P4,
+                       HAS_ORDER: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr):
+    """Quantize tile t of block j with the scales _encode_seg_scales wrote."""
+    j = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1)
+    t = tl.program_id(2).to(tl.int64)
+    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
+    row = out_ptr + i.to(tl.int64) * W
+    start, m = _seg_block(tab_ptr, j, nbr, U)
+    end = start + m
+    lo_v = start + t * TILE
+    hi_v = tl.minimum(lo_v + TILE, end)
+    QMAX: tl.constexpr = 127 if BITS == 8 else 7
+    scale = _load_scale(row, P4, j)
+    if BITS == 8:
+        offs = lo_v + tl.arange(0, TILE)
+        mask = offs < hi_v
+        x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(row + offs, (_quant(x, scale, QMAX) & 0xFF).to(tl.uint8), mask=mask)
+    else:
+        scale_next = _load_scale(row, P4, tl.minimum(j + 1, nbt - 1))
+        _store_pairs(src, row, lo_v, hi_v, end, n, scale, scale_next, QMAX, TILE // 2)
+
+
+@triton.jit
+def _dequant_seg(row, P4, e, mask, j, BITS: tl.constexpr):
+    """fp32 values e (value indices, all in block j) of one wire row."""
+    return _unpack(row, e, mask, BITS) * _load_scale(row, P4, j)
+
+
+@triton.jit
+def _decode_seg(wire_ptr, out_ptr, tab_ptr, n, nbr, U, W, P4, BITS: tl.constexpr, TILE: tl.constexpr):
+    j = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1).to(tl.int64)
+    start, m = _seg_block(tab_ptr, j, nbr, U)
+    offs = tl.program_id(2).to(tl.int64) * TILE + tl.arange(0, TILE)
+    mask = offs < m
+    e = start + offs
+    v = _dequant_seg(wire_ptr + i * W, P4, e, mask, j, BITS)
+    _store_values(out_ptr + i * n + e, v, mask)
+
+
+@triton.jit
+def _decode_seg_sum(wire_ptr, out_ptr, tab_ptr, k, n, nbr, U, W, P4, BITS: tl.constexpr, TILE: tl.constexpr):
+    j = tl.program_id(0).to(tl.int64)
+    start, m = _seg_block(tab_ptr, j, nbr, U)
+    offs = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
+    mask = offs < m
+    e = start + offs
+    acc = _dequant_seg(wire_ptr, P4, e, mask, j, BITS)
+    row = wire_ptr
+    for _ in range(1, k):  # row order, as the CPU kernels and the reference add
+        row += W
+        acc = acc + _dequant_seg(row, P4, e, mask, j, BITS)
+    tl.store(out_ptr + e, acc, mask=mask)
+
+
+def encode_wire_seg(codec: Codec, x: Tensor, k: int, n: int, out: Tensor, order: Tensor | None,
+                    layout) -> None:
+    """``encode_wire`` for chunks cut by a row layout (``format._Layout``): blocks never span two segments."""
+    P, P4 = codec.payload_numel(n), codec.padded_payload_bytes(n)
+    nbt = n // layout.U * layout.nbr
+    W = P4 + 4 * nbt
+    if P4 > P:
+        out.view(k, W)[:, P:P4].zero_()
+    if nbt == 0:
+        return
+    tab = layout.table(x.device)
+    has_order = order is not None
+    order_arg = order if has_order else out
+    block = codec.block
+    if block <= _FUSED_MAX:
+        _encode_seg_fused[(nbt, k)](x, order_arg, out, tab, n, layout.nbr, layout.U, nbt, W, P4, HAS_ORDER=has_order,
+                                   BITS=codec.bits, BLOCK=max(_pow2(block), 2), enable_fp_fusion=False)
+        return
+    _encode_seg_scales[(nbt, k)](x, order_arg, out, tab, n, layout.nbr, layout.U, W, P4, HAS_ORDER=has_order,
+                                 BITS=codec.bits, TILE=_SCALE_TILE, enable_fp_fusion=False)
+    _encode_seg_values[(nbt, k, triton.cdiv(block, _TILE))](x, order_arg, out, tab, n, layout.nbr, layout.U, nbt, W,
+                                                            P4, HAS_ORDER=has_order, BITS=codec.bits, TILE=_TILE,
+                                                            enable_fp_fusion=False)
+
+
+def _seg_tile(codec: Codec) -> int:
+    return min(max(_pow2(codec.block), 16), _TILE)
+
+
+def decode_wire_seg(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor, layout) -> None:
+    """``decode_wire`` for chunks cut by a row layout: one program per (block, chunk, tile of the block)."""
+    nbt = n // layout.U * layout.nbr
+    if nbt == 0 or k == 0:
+        return
+    tile = _seg_tile(codec)
+    P4 = codec.padded_payload_bytes(n)
+    _decode_seg[(nbt, k, triton.cdiv(codec.block, tile))](wire, out, layout.table(wire.device), n, layout.nbr,
+                                                          layout.U, P4 + 4 * nbt, P4, BITS=codec.bits, TILE=tile,
+                                                          enable_fp_fusion=False)
+
+
+def decode_wire_sum_seg(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor, layout) -> None:
+    """``decode_wire_sum`` for chunks cut by a row layout: rows added in order inside each program."""
+    if k == 0:
+        out.zero_()
+        return
+    nbt = n // layout.U * layout.nbr
+    if nbt == 0:
+        return
+    tile = _seg_tile(codec)
+    P4 = codec.padded_payload_bytes(n)
+    _decode_seg_sum[(nbt, triton.cdiv(codec.block, tile))](wire, out, layout.table(wire.device), k, n, layout.nbr,
+                                                           layout.U, P4 + 4 * nbt, P4, BITS=codec.bits, TILE=tile,
+                                                           enable_fp_fusion=False)

@@ -1,0 +1,121 @@
+"""`tiershard bench`: a smoke run on loopback ranks checked on bytes (never on times), and its errors.
+
+Oracle for bytes: `tiershard.cost.traffic`'s closed form of each plan, built here from the model alone
+(`traffic.module_shapes` of the same GPT, cut as `ts.shard` cuts it) and summed over ranks with
+`traffic.total_traffic`. The bench's `ts.comm_stats()` node-crossing bytes per step must equal it exactly.
+With root and network namespaces, one more run on the emulated cluster checks the NIC counters against
+comm_stats within 5 % (the bench check).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tiershard.bench import BenchConfig, render_markdown, run_bench, write_outputs
+from tiershard.bench.config import PARAM_BYTES, REDUCE_BYTES, model_config, topology
+from tiershard.cost import traffic
+from tiershard.cli import main
+
+SMOKE = BenchConfig(size="tiny", systems=("zero++", "IIG", "fsdp2"), accums=(2,), rounds=1,
+                    steps_per_round=1, warmup=1, local=True, intra_bw=1e9)
+
+
+def closed_form_world(cfg: BenchConfig, plan: str, accum: int) -> int:
+    """Node-crossing bytes of one optimizer step over all ranks, from the plan and the model alone."""
+    import torch
+
+    from tiershard import Plan
+    from tiershard.train.models.gpt import GPT, Block
+
+    topo = topology(cfg)
+    pl = Plan.parse(plan).resolve(topo)
+    with torch.device("meta"):
+        model = GPT(model_config(cfg))
+    shapes = traffic.module_shapes(model, {Block}, topo.chunking(pl.os), topo.chunking(pl.p))
+    colls = traffic.step_collectives(pl, shapes, PARAM_BYTES, REDUCE_BYTES, accum)
+    return traffic.total_traffic(colls, topo)["world"]
+
+
+@pytest.fixture(scope="module")
+def smoke():
+    return run_bench(SMOKE, log=lambda line: None)
+
+
+def test_comm_stats_bytes_per_step_equal_the_closed_form(smoke):
+    (run,) = smoke["runs"]
+    plans = [row for row in run["rows"] if row["plan"]]
+    assert [row["system"] for row in plans] == ["zero++", "IIG"]
+    for row in plans:
+        expected = closed_form_world(SMOKE, row["plan"], run["accum"])
+        assert expected > 0
+        measured = row["comm_tiers_per_node"]["world"] * SMOKE.nodes      # per step, summed over all ranks
+        assert measured == expected, (row["system"], measured, expected)
+        assert row["closed_form_per_node"]["world"] * SMOKE.nodes == expected   # what the engine itself says
+        assert row["predicted_tier_bytes_per_node"]["world"] * SMOKE.nodes == expected   # the cost model's
+    peer = next(row for row in run["rows"] if row["system"] == "fsdp2")
+    assert peer["nic_tx_per_node"] is None and "comm_tiers_per_node" not in peer     # loopback: no counters
+    losses = {row["system"]: row["final_loss"] for row in run["rows"]}
+    assert all(abs(v - losses["fsdp2"]) < 0.05 for v in losses.values()), losses   # same model, batches, seed
+
+
+def test_report_has_every_system_and_the_outputs(smoke, tmp_path):
+    text = render_markdown(smoke, "tiershard bench --local ...")
+    for system in SMOKE.systems:
+        assert f"| {system} |" in text, system
+    assert "| system | plan / peer | step ms |" in text and "vs fsdp2" in text and "vs floor" in text
+    assert "bench check: not available" in text
+    paths = write_outputs(smoke, tmp_path)
+    assert {p.name for p in paths} == {"bench.md", "bench.json", "step_time.png", "bytes_per_tier.png"}
+    assert all(p.stat().st_size > 0 for p in paths)
+
+
+def test_package_reexports_the_modules_names():
+    import tiershard.bench as pkg
+    from tiershard.bench import config, report, runner
+
+    for name in pkg.__all__:
+        home = next(m for m in (config, runner, report) if hasattr(m, name))
+        assert getattr(pkg, name) is getattr(home, name), name
+    assert not hasattr(runner, "render_markdown") and not hasattr(config, "run_bench")   # running never renders
+
+
+def test_cli_errors_are_one_line_with_exit_2(monkeypatch, capsys):
+    assert main(["bench", "--local", "--size", "9M"]) == 2
+    assert "unknown size '9M'" in capsys.readouterr().err
+    assert main(["bench", "--local", "--systems", "zero3,fsdp3"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown system 'fsdp3'" in err and len(err.strip().splitlines()) == 1
+    assert main(["bench", "--local", "--check"]) == 2
+    assert "--check compares NIC counters" in capsys.readouterr().err
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert main(["bench", "--systems", "zero3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tiershard bench: error: the emulated cluster needs root") and "--local" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def _netns_reason() -> str | None:
+    """None if this process may create network namespaces, else why not."""
+    from tiershard.cluster.emulated import namespaces_unavailable
+
+    return namespaces_unavailable("bprobe")
+
+
+def test_emulated_cluster_nic_bytes_agree_with_comm_stats():
+    reason = _netns_reason()
+    if reason:
+        pytest.skip(reason)
+    from tiershard.cluster.emulated import list_namespaces
+
+    name = f"bt{os.getpid() % 100000}"
+    cfg = BenchConfig(size="tiny", model=dict(vocab_size=512, block_size=64, n_embd=128, n_head=4),
+                      systems=("zero3", "IIG"), accums=(1,), rates=("none",), rounds=1, steps_per_round=2,
+                      intra_bw=1e9, cluster_name=name)
+    results = run_bench(cfg, log=lambda line: None)
+    checks = results["check"]
+    assert len(checks) == 2 * cfg.nodes and all(c["ok"] for c in checks), checks
+    (run,) = results["runs"]
+    for row in run["rows"]:
+        assert row["comm_tiers_per_node"]["world"] * cfg.nodes == closed_form_world(cfg, row["plan"], 1)
+    assert not [ns for ns in list_namespaces() if ns.startswith(f"ts-{name}-")]
