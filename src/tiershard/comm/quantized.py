@@ -148,7 +148,11 @@ class QuantizedReduceScatter:
             sent = codec.decode_wire(wire, k, n, segments=segments).view(k, n)
             residual = buf.clone().view(k, n)
             residual.index_copy_(0, order, buf.view(k, n).index_select(0, order) - sent)
-            self.residuals[ef_key] = residual.view(-1)
+            # [Note: finite residuals] An overflowed gradient (an inf or nan that GradScaler will skip) would stay
+            # in the residual and poison every later reduction; a residual that is not finite everywhere is reset
+            # to zero instead, without waiting for the device (where() selects 0 even over a nan).
+            finite = torch.isfinite(residual).all()
+            self.residuals[ef_key] = torch.where(finite, residual, torch.zeros((), device=residual.device)).view(-1)
         received = torch.empty_like(wire)
         dist.all_to_all_single(received, wire, group=group.pg)
         LEDGER.record(op, "all_to_all", group.ranks, wire.numel(), topology.rank, topology)

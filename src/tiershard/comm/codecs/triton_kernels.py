@@ -127,11 +127,14 @@ def _store_values(out, v, mask):
         tl.store(out, v.to(out.dtype.element_ty), mask=mask)
 
 
+# Flat chunks: one program per (block or tile, chunk), the blocks or tiles on grid axis 0 (limit 2**31 - 1) and the
+# chunk on axis 1 (limit 65535, far above any group size): with blocks on axis 1 a rank's chunk could hold at most
+# 65535 blocks or tiles, about 67M values.
 @triton.jit
 def _encode_fused(x_ptr, order_ptr, out_ptr, n, block, W, P4,
                   HAS_ORDER: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0)
-    j = tl.program_id(1)
+    j = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1)
     src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
     row = out_ptr + i.to(tl.int64) * W
     start = j * block
@@ -167,10 +170,10 @@ def _encode_fused(x_ptr, order_ptr, out_ptr, n, block, W, P4,
 @triton.jit
 def _encode_scales(x_ptr, order_ptr, out_ptr, n, block, W, P4,
                    HAS_ORDER: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr):
-    i = tl.program_id(0)
-    j = tl.program_id(1)
+    j = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1)
     src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
-    start = j.to(tl.int64) * block
+    start = j * block
     m = tl.minimum(block, n - start)
     QMAX: tl.constexpr = 127 if BITS == 8 else 7
     scale = _tiled_block_scale(src, start, m, QMAX, TILE)
@@ -181,8 +184,8 @@ def _encode_scales(x_ptr, order_ptr, out_ptr, n, block, W, P4,
 def _encode_values(x_ptr, order_ptr, out_ptr, n, block, W, P4,
                    HAS_ORDER: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr):
     """Quantize with the scales _encode_scales wrote: TILE values (int8) or TILE bytes of value pairs (int4)."""
-    i = tl.program_id(0)
-    t = tl.program_id(1)
+    t = tl.program_id(0)
+    i = tl.program_id(1)
     src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
     row = out_ptr + i.to(tl.int64) * W
     offs = t.to(tl.int64) * TILE + tl.arange(0, TILE)
@@ -213,8 +216,8 @@ def _dequant(row, P4, e, mask, block, BITS: tl.constexpr):
 
 @triton.jit
 def _decode(wire_ptr, out_ptr, n, block, W, P4, BITS: tl.constexpr, TILE: tl.constexpr):
-    i = tl.program_id(0)
-    e = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
+    e = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    i = tl.program_id(1)
     mask = e < n
     v = _dequant(wire_ptr + i.to(tl.int64) * W, P4, e, mask, block, BITS)
     _store_values(out_ptr + i.to(tl.int64) * n + e, v, mask)
@@ -248,13 +251,13 @@ def encode_wire(codec: Codec, x: Tensor, k: int, n: int, out: Tensor, order: Ten
     order_arg = order if has_order else out  # any pointer; unused without HAS_ORDER
     block = codec.block
     if block <= _FUSED_MAX and (codec.bits == 8 or block % 2 == 0):
-        _encode_fused[(k, nb)](x, order_arg, out, n, block, W, P4, HAS_ORDER=has_order, BITS=codec.bits,
+        _encode_fused[(nb, k)](x, order_arg, out, n, block, W, P4, HAS_ORDER=has_order, BITS=codec.bits,
                                BLOCK=max(_pow2(block), 2), enable_fp_fusion=False)
         return
-    _encode_scales[(k, nb)](x, order_arg, out, n, block, W, P4, HAS_ORDER=has_order, BITS=codec.bits,
+    _encode_scales[(nb, k)](x, order_arg, out, n, block, W, P4, HAS_ORDER=has_order, BITS=codec.bits,
                             TILE=_SCALE_TILE, enable_fp_fusion=False)
     units = P if codec.bits == 4 else n
-    _encode_values[(k, triton.cdiv(units, _TILE))](x, order_arg, out, n, block, W, P4, HAS_ORDER=has_order,
+    _encode_values[(triton.cdiv(units, _TILE), k)](x, order_arg, out, n, block, W, P4, HAS_ORDER=has_order,
                                                    BITS=codec.bits, TILE=_TILE, enable_fp_fusion=False)
 
 
@@ -262,7 +265,7 @@ def decode_wire(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor) -> None
     """Launch the decode kernel: row i of wire -> out[i*n:(i+1)*n] in out's dtype."""
     if n == 0 or k == 0:
         return
-    _decode[(k, triton.cdiv(n, _TILE))](wire, out, n, codec.block, codec.wire_bytes(n),
+    _decode[(triton.cdiv(n, _TILE), k)](wire, out, n, codec.block, codec.wire_bytes(n),
                                        codec.padded_payload_bytes(n), BITS=codec.bits, TILE=_TILE,
                                        enable_fp_fusion=False)
 
