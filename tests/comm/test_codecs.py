@@ -467,6 +467,72 @@ def test_self_check_disables_kernels_that_differ(monkeypatch: pytest.MonkeyPatch
     assert backends._cpu_lib(torch.empty(1), torch.float32) is None
 
 
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_kernel_cache_folder_others_can_write_is_not_used(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache folder writable by group or others, or another user's, could hold anyone's library: the kernels are
+    built in a private folder instead, with a warning naming the refused one, and nothing is written there."""
+    import re
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    folders = [shared]
+    if hasattr(os, "getuid") and os.getuid() == 0:        # root can hand a folder to another user
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o755)
+        os.chown(theirs, 4242, 4242)
+        folders.append(theirs)
+    for folder in folders:
+        monkeypatch.setenv("TIERSHARD_CACHE_DIR", str(folder))
+        with pytest.warns(RuntimeWarning, match=f"not using the cache folder {re.escape(str(folder))}"):
+            lib = native.build(())
+        assert lib.path.parent != folder and list(folder.iterdir()) == [], lib
+        st = lib.path.parent.stat()
+        assert st.st_uid == os.getuid() and st.st_mode & 0o077 == 0, oct(st.st_mode)
+    fresh = tmp_path / "new" / "cache"                       # a folder that does not exist yet is created 0o700
+    assert native._cache(fresh) == fresh and fresh.stat().st_mode & 0o777 == 0o700
+
+
+_PLANTED = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen(getenv("TIERSHARD_TEST_MARKER"), "w");
+    if (f) fclose(f);
+}
+"""
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_a_planted_kernel_library_is_not_loaded(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A library in the cache under the kernels' name whose SHA-256 is not the one recorded at build time is never
+    loaded (loading runs its constructors): the kernels are rebuilt and ``kernel_status()`` says why."""
+    import shutil
+
+    built = native.load()                                   # the cache as this process left it: a library, its record
+    assert built is not None, native.status()
+    cache = tmp_path / "cache"
+    shutil.copytree(built.path.parent, cache, ignore=lambda _, names: [n for n in names if "kernels" not in n])
+    (tmp_path / "planted.c").write_text(_PLANTED)
+    subprocess.run([native._compiler(), "-shared", "-fPIC", str(tmp_path / "planted.c"), "-o",
+                    str(cache / built.path.name)], check=True)
+    marker = tmp_path / "marker"
+    monkeypatch.setenv("TIERSHARD_TEST_MARKER", str(marker))
+    monkeypatch.setenv("TIERSHARD_CACHE_DIR", str(cache))
+    for module, names in ((native, ("_loaded", "_reason", "_tried", "FLAG_SETS")),
+                          (backends, ("_force_reference", "_cpu_state", "_cpu_reason"))):
+        for name in names:
+            monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    monkeypatch.setattr(native, "FLAG_SETS", (built.flags,))
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(backends, "_force_reference", False)
+    monkeypatch.setattr(backends, "_cpu_state", None)
+    with pytest.warns(RuntimeWarning, match="SHA-256 differs"):
+        status = backends.kernel_status()["cpu"]
+    assert not marker.exists(), "the planted library was loaded"
+    assert status.startswith("c: ") and "rebuilt" in status and "SHA-256 differs" in status, status  # self-checked
+
+
 def test_reference_path_without_kernels(reference_path: None) -> None:
     """What a machine without a compiler runs: the same format and results through plain torch ops."""
     assert backends._cpu_lib(torch.empty(1), torch.float32) is None

@@ -21,17 +21,28 @@ the same bits; ``backends.py`` checks the library against that path before its f
 
 Environment: ``CC`` (compiler, default ``gcc`` then ``cc``), ``TIERSHARD_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/tiershard`` or ``~/.cache/tiershard``).
+
+[Note: the kernel cache is private] Loading a library runs its code, so the cache must hold only what this user
+built. The cache folder is created 0o700; one that exists but belongs to another user or is writable by group or
+others is not used (a warning names it, and the kernels are built in a fresh private temporary folder instead).
+Each build records the library's SHA-256 in ``codec_kernels-<key>.sha256``, and the library is named by that hash
+(``codec_kernels-<key>-<hash>.so``: ranks building at once never overwrite one library with another); a library is
+loaded only if it is this user's, not writable by others, and hashes to what the record says, else it is rebuilt
+and ``kernel_status()`` says why.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -67,7 +78,7 @@ class Kernels:
     dtype or a chunk that is not whole rows.
     """
 
-    def __init__(self, path: Path, flags: tuple[str, ...]):
+    def __init__(self, path: Path, flags: tuple[str, ...], notes: tuple[str, ...] = ()):
         lib = ctypes.CDLL(str(path))
         v, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.ts_encode.argtypes = [v, i32, i64, i64, v, i64, i32, v, i64, v, i64, i64, i32]
@@ -80,14 +91,15 @@ class Kernels:
         lib.ts_decode_seg.restype = i32
         lib.ts_has_f16.restype = i32
         lib.ts_simd.restype = i32
-        self._lib, self.path, self.flags = lib, path, flags
+        self._lib, self.path, self.flags, self.notes = lib, path, flags, notes
         self.encode, self.decode = lib.ts_encode, lib.ts_decode
         self.encode_seg, self.decode_seg = lib.ts_encode_seg, lib.ts_decode_seg
         self.has_f16 = bool(lib.ts_has_f16())
         self.simd = "avx512" if lib.ts_simd() == 512 else "compiler-vectorized"
 
     def __repr__(self) -> str:
-        return f"Kernels({self.simd}, flags={' '.join(self.flags) or '-'}, {self.path})"
+        notes = "".join(f"; {note}" for note in self.notes)
+        return f"Kernels({self.simd}, flags={' '.join(self.flags) or '-'}, {self.path}{notes})"
 
 
 def _compiler() -> str | None:
@@ -115,24 +127,86 @@ def _cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "tiershard"
 
 
+_fallback: Path | None = None  # this process's private build folder, when the cache folder is refused
+
+
+def _not_private(path: Path) -> str | None:
+    """Why another user could have written ``path`` (its owner, or write access for group or others); None if
+    only this user can. Windows has no owners or mode bits to check here."""
+    if not hasattr(os, "getuid"):
+        return None
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        return f"it belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
+    if st.st_mode & 0o022:
+        return f"group or others can write it (mode {st.st_mode & 0o777:o})"
+    return None
+
+
+def _cache(directory: Path | None) -> Path:
+    """A folder only this user can write ([Note: the kernel cache is private]): ``directory`` or the default cache,
+    created 0o700 if absent; else this process's fresh private temporary folder, with a warning naming the other."""
+    global _fallback
+    folder = Path(directory) if directory is not None else _cache_dir()
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        problem = _not_private(folder)
+        if problem is None:
+            probe = folder / f".write-{os.getpid()}"
+            probe.touch()
+            probe.unlink()
+            return folder
+    except OSError as err:
+        problem = f"it cannot be used ({err})"
+    if _fallback is None:
+        _fallback = Path(tempfile.mkdtemp(prefix="tiershard-kernels-"))
+        atexit.register(shutil.rmtree, _fallback, True)
+    warnings.warn(f"tiershard codec kernels: not using the cache folder {folder}: {problem}; building in the "
+                  f"private folder {_fallback} instead (make {folder} yours and chmod go-w it, or set "
+                  "TIERSHARD_CACHE_DIR to a folder only you can write)", RuntimeWarning, stacklevel=3)
+    return _fallback
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _cached(directory: Path, stem: str) -> tuple[Path | None, str | None]:
+    """The cached library of ``stem`` if it is this user's and hashes to its record; else None and why (None for
+    no build yet)."""
+    record = directory / f"{stem}.sha256"
+    if not record.is_file():
+        return None, None
+    digest = record.read_text().strip()
+    problem = _not_private(record) or (None if re.fullmatch(r"[0-9a-f]{64}", digest) else "not a SHA-256")
+    if problem is not None:
+        return None, f"rebuilt: the record {record} was not used: {problem}"
+    path = directory / f"{stem}-{digest[:16]}.so"
+    if not path.is_file():
+        return None, None
+    problem = _not_private(path)
+    if problem is not None:
+        return None, f"rebuilt: {path} was not loaded: {problem}"
+    if _sha256(path) != digest:
+        return None, (f"rebuilt: {path} was not loaded: its SHA-256 differs from the one recorded when it was built "
+                      f"({record}); planted or damaged")
+    return path, None
+
+
 def build(flags: tuple[str, ...], directory: Path | None = None) -> Kernels:
-    """Compile (or reuse a cached build of) the kernels with ``flags`` and load them; raises on any failure."""
+    """Compile (or reuse a verified cached build of) the kernels with ``flags`` and load them; raises on any
+    failure. ``directory``: the cache folder (default ``_cache_dir()``), used only if private to this user."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
     all_flags = _BASE_FLAGS + tuple(flags)
     key = hashlib.sha256("\0".join([_SOURCE, cc, *all_flags, platform.machine(), _cpu_fingerprint()]).encode())
-    directory = Path(directory) if directory is not None else _cache_dir()
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".write-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
-    except OSError:
-        directory = Path(tempfile.gettempdir()) / f"tiershard-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
-        directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"codec_kernels-{key.hexdigest()[:20]}.so"
-    if not path.exists():
+    directory = _cache(directory)
+    stem = f"codec_kernels-{key.hexdigest()[:20]}"
+    path, problem = _cached(directory, stem)
+    if problem is not None:
+        warnings.warn(f"tiershard codec kernels {problem}", RuntimeWarning, stacklevel=2)
+    if path is None:
         with tempfile.TemporaryDirectory(prefix="tiershard-build-") as tmp:
             src = Path(tmp) / "codec_kernels.c"
             src.write_text(_SOURCE)
@@ -141,10 +215,15 @@ def build(flags: tuple[str, ...], directory: Path | None = None) -> Kernels:
                                   timeout=300)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} {' '.join(all_flags)} failed: {proc.stderr.strip()[-2000:]}")
-            staged = directory / f".{path.name}.{os.getpid()}.{threading.get_ident()}"
-            shutil.copyfile(out, staged)
-            os.replace(staged, path)  # atomic: ranks building at once all end with one complete file
-    return Kernels(path, tuple(flags))
+            digest = _sha256(out)
+            path = directory / f"{stem}-{digest[:16]}.so"
+            for target, write in ((path, lambda f: shutil.copyfile(out, f)),
+                                  (directory / f"{stem}.sha256", lambda f: f.write_text(digest + "\n"))):
+                staged = directory / f".{target.name}.{os.getpid()}.{threading.get_ident()}"
+                write(staged)
+                os.chmod(staged, 0o600)
+                os.replace(staged, target)  # atomic; the library first, so a record always names a complete one
+    return Kernels(path, tuple(flags), () if problem is None else (problem,))
 
 
 _lock = threading.Lock()
