@@ -12,13 +12,14 @@ The package root holds the core concepts (``topology``, ``plan``) and this facad
 from __future__ import annotations
 
 from . import _moved
+from .comm.failure import CollectiveError
 from .comm.ledger import comm_stats, reset_comm_stats
 from .plan import Plan, PlanError
 from .topology import Topology, TopologyError
 
 __all__ = [
     "Plan", "PlanError", "Topology", "TopologyError", "comm_stats", "reset_comm_stats", "save", "load",
-    "CheckpointError",
+    "CheckpointError", "CollectiveError",
     "shard", "no_sync", "clip_grad_norm_", "full_state_dict", "load_full_state_dict", "memory_stats",
 ]
 

@@ -14,13 +14,17 @@ docs/ownership.md works through an example.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Sequence
 
 import torch.distributed as dist
 
 DEFAULT_NAMES = {1: ("world",), 2: ("node", "world"), 3: ("pair", "node", "world")}
+TIMEOUT_ENV = "TIERSHARD_COLLECTIVE_TIMEOUT"
+DEFAULT_TIMEOUT = 60.0      # seconds: how long a rank waits for the others in one of the engine's collectives
 
 
 class TopologyError(ValueError):
@@ -56,10 +60,35 @@ class TierGroup:
         return dist.get_backend(self.pg) if self.pg is not None else "local"
 
 
-class Topology:
-    """Nested tiers of ranks; owns the process groups of every tier and cross-tier set, made once."""
+def collective_timeout(timeout: float | None = None) -> float:
+    """The bound in seconds: ``timeout`` if given, else ``TIERSHARD_COLLECTIVE_TIMEOUT``, else 60."""
+    source = "timeout"
+    if timeout is None:
+        text = os.environ.get(TIMEOUT_ENV, "").strip()
+        if not text:
+            return DEFAULT_TIMEOUT
+        source = f"{TIMEOUT_ENV}={text!r}"
+        try:
+            timeout = float(text)
+        except ValueError:
+            raise TopologyError(f"{source} is not a number of seconds: set it like {TIMEOUT_ENV}=60") from None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+            or timeout <= 0:
+        raise TopologyError(f"{source} must be a positive number of seconds, got {timeout!r}: e.g. timeout=60 "
+                            f"(the time a rank waits for the others in one collective)")
+    return float(timeout)
 
-    def __init__(self, sizes: Sequence[int], names: Sequence[str] | None = None):
+
+class Topology:
+    """Nested tiers of ranks; owns the process groups of every tier and cross-tier set, made once.
+
+    ``timeout`` (seconds; default ``TIERSHARD_COLLECTIVE_TIMEOUT`` or 60) bounds every collective of the engine
+    and of ``ts.save``/``ts.load``: a collective that cannot complete (a rank skipped it or died) ends every rank
+    that waits in it with ``ts.CollectiveError`` within that time ([Note: bounded collectives] in
+    comm/failure.py). It is independent of the default process group's timeout.
+    """
+
+    def __init__(self, sizes: Sequence[int], names: Sequence[str] | None = None, timeout: float | None = None):
         sizes = tuple(int(s) for s in sizes)
         if not sizes:
             raise TopologyError("a topology needs at least one tier, e.g. Topology((2, 4)) for 2 nodes of 2 ranks")
@@ -79,13 +108,15 @@ class Topology:
             raise TopologyError(f"tier names must be distinct and not N, I or G: {names}")
         self.sizes = sizes
         self.names = names
+        self.timeout = collective_timeout(timeout)
+        self._control: TierGroup | None = None
         self._groups: dict[tuple[int, int, int], TierGroup] = {}
         self._initialised = False
         self._mesh = None
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
-    def from_env(cls, names: Sequence[str] | None = None) -> "Topology":
+    def from_env(cls, names: Sequence[str] | None = None, timeout: float | None = None) -> "Topology":
         """Tiers from the launcher: ``TIERSHARD_TOPOLOGY`` ("2,8,64") if set, else (LOCAL_WORLD_SIZE, WORLD_SIZE)."""
         spec = os.environ.get("TIERSHARD_TOPOLOGY")
         if spec:
@@ -93,10 +124,10 @@ class Topology:
                 sizes = tuple(int(s) for s in spec.replace("x", ",").split(","))
             except ValueError:
                 raise TopologyError(f"TIERSHARD_TOPOLOGY={spec!r} is not a list of sizes like '2,8,64'") from None
-            return cls(sizes, names)
+            return cls(sizes, names, timeout)
         world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        return cls((local, world), names)
+        return cls((local, world), names, timeout)
 
     def __repr__(self) -> str:
         return f"Topology({self.sizes}, names={self.names})"
@@ -229,6 +260,19 @@ class Topology:
         return self._mesh
 
     # ---- process groups -----------------------------------------------------------------------
+    @property
+    def report_window(self) -> float:
+        """Seconds a rank whose collective failed waits for the other members' reports (inside ``timeout``)."""
+        return min(5.0, self.timeout / 4)
+
+    @property
+    def control_group(self) -> TierGroup:
+        """Every rank, on a process group of its own bounded by ``timeout``: for the main thread's collectives
+        (checkpoints), which must never interleave with the stream's on the engine's world group."""
+        if not self._initialised:
+            raise TopologyError("the topology has no process groups yet: ts.shard (or init_process_groups) makes them")
+        return self._control
+
     def init_process_groups(self, device_type: str = "cpu") -> None:
         """Create every group this topology can need, and its DeviceMesh, once, in the same order on every rank."""
         if self._initialised:
@@ -246,6 +290,8 @@ class Topology:
                 f"{self} covers {self.world_size} ranks but the world has {world}: "
                 f"make the last tier size {world}, e.g. Topology((ranks_per_node, {world}))")
         me = dist.get_rank()
+        # gloo and NCCL apply a group's timeout to each of its operations; the report window comes on top
+        bound = timedelta(seconds=self.timeout - self.report_window)
         made: dict[tuple[int, ...], object] = {}
         for inner in range(self.num_levels):
             for outer in range(inner, self.num_levels):
@@ -259,10 +305,13 @@ class Topology:
                         if len(ranks) == 1:
                             made[ranks] = None
                         else:     # the world too: the engine's collectives never share the user's group
-                            made[ranks] = dist.new_group(list(ranks))
+                            made[ranks] = dist.new_group(list(ranks), timeout=bound)
                     pg = made[ranks]
                     if me in ranks:
                         self._groups[(inner, outer, me)] = self._make_group(me, inner, outer, pg)
+        everyone = tuple(range(world))
+        self._control = TierGroup(everyone, everyone, dist.new_group(list(everyone), timeout=bound)
+                                  if world > 1 else None)
         self._mesh = self._make_mesh(device_type)
         self._initialised = True
 

@@ -97,7 +97,6 @@ class _Reader:
     """One checkpoint's model entries, read one tensor at a time with no process group."""
 
     def __init__(self, path: str | os.PathLike, verify: bool = True):
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         from . import sharded as checkpoint
@@ -106,17 +105,9 @@ class _Reader:
         if verify:
             checkpoint.verify(self.path)       # every file's presence, size and CRC-32 against the manifest
 
-        class Cached(FileSystemReader):
-            """DCP asks for the metadata on every load; one read serves them all."""
-
-            _cached = None
-
-            def read_metadata(self, *args, **kwargs):
-                if self._cached is None:
-                    self._cached = super().read_metadata(*args, **kwargs)
-                return self._cached
-
-        self.reader = Cached(str(self.path))
+        # DCP's reader, reading .metadata once (every load asks) and as data only: a checkpoint from elsewhere
+        # cannot run code here ([Note: nothing runs from a file] in sharded.py)
+        self.reader = checkpoint.SafeReader(self.path)
         metadata = self.reader.read_metadata()
         paths = getattr(metadata, "planner_data", None) or {}
         self.entries: list[Entry] = []
@@ -141,11 +132,13 @@ class _Reader:
     def read(self, entry: Entry) -> torch.Tensor:
         import torch.distributed.checkpoint as dcp
 
+        from .sharded import SafePlanner
+
         tensor = torch.empty(entry.shape, dtype=entry.dtype)
         box = {entry.key: tensor}
         with warnings.catch_warnings():   # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(box, storage_reader=self.reader, no_dist=True)
+            dcp.load(box, storage_reader=self.reader, planner=SafePlanner(self.reader), no_dist=True)
         return box[entry.key]
 
 

@@ -5,7 +5,7 @@ A checkpoint is a folder of DCP files (every rank writes its own shards, in para
 ``get_state_dict``), plus:
 
     tiershard.json      the manifest: every file's size and CRC-32, the world, topology and plan that wrote it
-    extra/rank<R>.pt    what the trainer passed as ``extra`` on rank R (step, data position, RNG states)
+    extra/rank<R>.pt    what the trainer passed as ``extra`` on rank R (step, data position, RNG states): plain data
 
 Because masters are DTensors, DCP reshards on load: a checkpoint loads under any world size, topology and plan.
 
@@ -19,11 +19,25 @@ by the next one.
 (each file's presence and size, and the CRC-32 of a share of the files), and all ranks agree; DCP then checks
 that every tensor the model needs is in the checkpoint before it reads any. A truncated, corrupt or
 incomplete checkpoint raises ``CheckpointError`` naming the file, and the model and optimizer are untouched.
+So does a checkpoint of another model (missing or unexpected keys) unless ``strict=False``.
+
+[Note: nothing runs from a file] A checkpoint may come from elsewhere, and unpickling runs whatever the pickle
+names. So every pickle in it is read admitting plain data only: the extras and DCP's non-tensor entries (optimizer
+hyperparameters) through torch's weights-only loader (tensors, numbers, strings, lists, tuples, dicts) plus NumPy
+arrays (NumPy's RNG state), and DCP's ``.metadata`` through an unpickler that admits only the classes DCP's
+metadata is made of (``SafeReader``, which ``tiershard convert`` uses too). ``ts.save`` reads each extra back the
+same way before the checkpoint is renamed into place, so what it writes, ``ts.load`` can read.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import io
 import json
 import os
+import pickle
+import re
 import secrets
 import shutil
 import time
@@ -34,9 +48,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
+
+from ..comm.failure import guard
 
 __all__ = ["CheckpointError", "save", "load", "latest", "resolve", "verify"]
 
@@ -59,19 +79,32 @@ def _rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def _broadcast(value: Any) -> Any:
+def _bounded(op: str):
+    """Run ``save``/``load`` as one collective of the topology's ``control_group``: bounded by its timeout, and
+    a rank that does not take part is named in the ``CollectiveError`` ([Note: bounded collectives])."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(path, model, *args, **kwargs):
+            topology = _engine(model).topology
+            with guard(op, topology.control_group, topology, unit=f"checkpoint {Path(path).absolute()}"):
+                return fn(path, model, *args, **kwargs)
+        return run
+    return wrap
+
+
+def _broadcast(value: Any, group=None) -> Any:
     if not dist.is_initialized():
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
-def _agree(error: str | None) -> None:
+def _agree(error: str | None, group=None) -> None:
     """Every rank raises the first rank's error, or none does: a refusal must not leave ranks split."""
     if dist.is_initialized():
         errors: list = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
+        dist.all_gather_object(errors, error, group=group)
         error = next((e for e in errors if e), None)
     if error:
         raise CheckpointError(error)
@@ -99,17 +132,180 @@ def _files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
+# ---- reading pickles as data, never code ([Note: nothing runs from a file]) ----------------------------------
+PLAIN = "tensors, NumPy arrays, numbers, strings, None, and lists, tuples and dicts of them"
+
+
+class _NotPlain(Exception):
+    """A pickle that names something other than plain data; the message says what."""
+
+
+def _numpy_globals() -> list:
+    """What NumPy arrays and scalars unpickle through (NumPy's RNG state is an array): only array builders."""
+    try:
+        import numpy as np
+    except ImportError:
+        return []
+    dtypes = {type(np.dtype(code)) for code in np.typecodes["All"]}
+    return [np.ndarray, np.dtype, *dtypes, np.zeros(1).__reduce__()[0], np.float64(0).__reduce__()[0]]
+
+
+def _plain(source: Any) -> Any:
+    """Unpickle a ``torch.save`` file or buffer admitting plain data only (torch's weights-only loader)."""
+    allow = getattr(torch.serialization, "safe_globals", None)     # torch >= 2.5; before, allow them for good
+    if allow is None:
+        torch.serialization.add_safe_globals(_numpy_globals())
+    try:
+        with allow(_numpy_globals()) if allow is not None else contextlib.nullcontext():
+            return torch.load(source, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL (\S+) was not an allowed global", str(err))
+        if found:
+            raise _NotPlain(f"a reference to {found.group(1)}") from None
+        why = [line.strip() for line in str(err).partition("WeightsUnpickler error:")[2].splitlines() if line.strip()]
+        raise _NotPlain(f"an object torch's weights-only reader refuses ({why[0] if why else err})") from None
+
+
+def _write_extra(extra: Any, file: Path, rank: int) -> str | None:
+    """Pickle this rank's ``extra`` into ``file``; why ``ts.load`` could not read it back, or None."""
+    buffer = io.BytesIO()
+    torch.save(extra, buffer)
+    file.write_bytes(buffer.getvalue())
+    buffer.seek(0)
+    try:
+        _plain(buffer)
+    except _NotPlain as err:
+        return (f"ts.save: the extra of rank {rank} holds {err}, which is not plain data: ts.load reads back only "
+                f"{PLAIN} (it never runs code from a checkpoint); pass plain data, e.g. an object's state_dict()")
+    return None
+
+
+def _read_extra(path: Path, rank: int, world: int, manifest: dict) -> Any:
+    """This rank's extra (rank 0's when another world size wrote the checkpoint), read as plain data."""
+    extra = path / "extra" / f"rank{rank}.pt"
+    if not extra.is_file() or manifest.get("world_size") != world:
+        extra = path / "extra" / "rank0.pt"
+    if not extra.is_file():
+        return None
+    try:
+        return _plain(extra)
+    except _NotPlain as err:
+        raise CheckpointError(f"checkpoint {path}: {extra} holds {err}, which is not plain data; ts.load reads only "
+                              f"{PLAIN}, and never runs code from a file (a checkpoint from elsewhere, or one saved "
+                              "with objects in its extra: load it where it was written and save plain data)") from None
+    except Exception as err:  # noqa: BLE001 - a file torch.load cannot parse at all
+        raise CheckpointError(f"checkpoint {path} is corrupt: {extra} cannot be read ({err})") from None
+
+
+# What DCP's .metadata is made of (torch 2.x); a reference to anything else is refused, never called.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                              "TensorStorageMetadata", "ChunkStorageMetadata",
+                                              "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "collections": {"OrderedDict"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+    "pathlib._local": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only what ``_METADATA_GLOBALS`` (and torch's dtypes) names; anything else is refused unbuilt."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_GLOBALS.get(module, ()) or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise _NotPlain(f"{module}.{name}")
+
+
+def read_metadata(path: Path) -> Metadata:
+    """DCP's index of the checkpoint folder ``path``, unpickled admitting only the classes DCP's metadata is made
+    of ([Note: nothing runs from a file]); raises ``CheckpointError`` naming the file otherwise."""
+    file = Path(path) / ".metadata"
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except _NotPlain as err:
+        raise CheckpointError(f"checkpoint {path}: {file} holds an object that is not checkpoint metadata (a "
+                              f"reference to {err}); it is refused rather than run: the file was not written by "
+                              "torch.distributed.checkpoint, or was altered") from None
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} is incomplete: its metadata file {file} is missing") from None
+    except Exception as err:  # noqa: BLE001 - truncated or not a pickle at all
+        raise CheckpointError(f"checkpoint {path} is corrupt: {file} cannot be read ({err!r})") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"checkpoint {path}: {file} holds a {type(metadata).__name__}, not DCP's Metadata")
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, reading ``.metadata`` once through ``read_metadata`` and the non-tensor entries before
+    any tensor (a refused one stops the load before the state is written), each as plain data (``SafePlanner``)."""
+
+    def __init__(self, path: str | os.PathLike):
+        super().__init__(str(path))
+        self.folder = Path(path)
+        self.metadata: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self.metadata is None:
+            self.metadata = read_metadata(self.folder)
+        if self.metadata.storage_meta is None:
+            self.metadata.storage_meta = StorageMeta()
+        self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
+
+    def read_data(self, plan, planner):
+        data = [item for item in plan.items if item.type == LoadItemType.BYTE_IO]
+        if data and len(data) < len(plan.items):
+            super().read_data(dataclasses.replace(plan, items=data), planner).wait()
+            plan = dataclasses.replace(plan, items=[item for item in plan.items if item.type != LoadItemType.BYTE_IO])
+        return super().read_data(plan, planner)
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """DCP's load planner, unpickling non-tensor entries (optimizer hyperparameters) as plain data only."""
+
+    def __init__(self, reader: SafeReader, allow_partial_load: bool = False):
+        super().__init__(allow_partial_load=allow_partial_load)
+        self.reader = reader
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = _plain(value)
+        except _NotPlain as err:
+            where = self.reader.folder / self.reader.storage_data[read_item.storage_index].relative_path
+            raise CheckpointError(f"checkpoint {self.reader.folder}: its entry {fqn} in {where} holds {err}, which "
+                                  f"is not plain data; ts.load reads only {PLAIN}, and never runs code from a file "
+                                  "(the checkpoint was not written by ts.save or torch's state dicts, or was "
+                                  "altered)") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+@_bounded("save")
 def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
          extra: Any = None) -> Path:
     """Save ``model`` (and ``optimizer``) to the folder ``path`` on every rank, atomically ([Note: atomic save]).
 
-    ``extra`` (any picklable value, may differ per rank) is kept per rank and returned by ``load``. The parent
-    folder's ``latest`` then names this checkpoint. Returns the checkpoint folder.
+    ``extra`` (plain data: tensors, NumPy arrays, numbers, strings, None, and lists, tuples and dicts of them; may
+    differ per rank) is kept per rank and returned by ``load``; anything else raises ``CheckpointError`` on every
+    rank and nothing is renamed into place. The parent folder's ``latest`` then names this checkpoint. Returns the
+    checkpoint folder.
     """
     engine = _engine(model)
+    group = engine.topology.control_group.pg      # bounded by the topology's timeout, not the default group's
     rank, world = _rank_world()
     path = Path(path).absolute()
-    token = _broadcast(secrets.token_hex(4) if rank == 0 else None)
+    token = _broadcast(secrets.token_hex(4) if rank == 0 else None, group)
     tmp = path.parent / f".{path.name}.tmp-{token}"
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -118,19 +314,25 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
                 shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
     state = _state(model, optimizer)
-    dcp.save(state, checkpoint_id=str(tmp))
+    dcp.save(state, checkpoint_id=str(tmp), process_group=group)
     (tmp / "extra").mkdir(exist_ok=True)
-    torch.save(extra, tmp / "extra" / f"rank{rank}.pt")
+    error = _write_extra(extra, tmp / "extra" / f"rank{rank}.pt", rank)   # refused on every rank, nothing renamed
+    try:
+        _agree(error, group)
+    except CheckpointError:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
     files = _files(tmp)
     mine = {str(f.relative_to(tmp)): {"size": f.stat().st_size, "crc32": _crc(f, sync=True)}
             for i, f in enumerate(files) if i % world == rank}
     everyone: list = [None] * world
     if dist.is_initialized():
-        dist.all_gather_object(everyone, mine)
+        dist.all_gather_object(everyone, mine, group=group)
     else:
         everyone = [mine]
     if rank == 0:
@@ -154,7 +356,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         pointer.rename(path.parent / LATEST)
         _fsync(path.parent)
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
     return path
 
 
@@ -181,26 +383,41 @@ def resolve(path: str | os.PathLike) -> Path:
                           "(a folder of checkpoints)")
 
 
-def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
+@_bounded("load")
+def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         strict: bool = True) -> Any:
     """Load a checkpoint into ``model`` (and ``optimizer``) under any world size, topology and plan.
 
     ``path`` is a checkpoint folder or a folder whose ``latest`` names one. Returns the ``extra`` this rank
     saved (rank 0's when the checkpoint was written by fewer ranks). Raises ``CheckpointError``, changing
-    nothing, when the checkpoint is missing, incomplete or corrupt ([Note: refused loads change nothing]).
+    nothing, when the checkpoint is missing, incomplete or corrupt ([Note: refused loads change nothing]), or holds
+    anything but data ([Note: nothing runs from a file]). ``strict`` (as in ``nn.Module.load_state_dict``): the
+    checkpoint's keys must be exactly the model's (and the optimizer's); ``strict=False`` loads the keys that match
+    and keeps the others as they are.
     """
     engine = _engine(model)
+    group = engine.topology.control_group.pg      # bounded by the topology's timeout, not the default group's
     rank, world = _rank_world()
-    error = None
+    error = reader = extra = None
     try:
         path = resolve(path)
         manifest = verify(path, rank, world)
+        reader = SafeReader(path)
+        reader.read_metadata()
+        extra = _read_extra(path, rank, world, manifest)
     except CheckpointError as err:
-        error, manifest = str(err), None
-    _agree(error)
+        error = str(err)
     state = _state(model, optimizer)
+    if error is None and strict:
+        error = _mismatch(path, reader.metadata, state)
+    _agree(error, group)
     try:
-        dcp.load(state, checkpoint_id=str(path))
-    except (Exception, CheckpointException) as err:   # a tensor the model needs is missing or has another shape
+        dcp.load(state, storage_reader=reader, planner=SafePlanner(reader, allow_partial_load=not strict),
+                 process_group=group)
+    except (Exception, CheckpointException) as err:   # a tensor the model needs has another shape
+        inner = _first_exception(err)
+        if isinstance(inner, CheckpointError):
+            raise CheckpointError(str(inner)) from None
         raise CheckpointError(f"checkpoint {path} does not fit this model: {_first_failure(err)}") from None
     if optimizer is None:
         set_model_state_dict(model, state["model"])
@@ -208,18 +425,47 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     for group in engine.groups():
         group.sync_params()
-    extra = path / "extra" / f"rank{rank}.pt"
-    if not extra.is_file() or manifest.get("world_size") != world:
-        extra = path / "extra" / "rank0.pt"
-    return torch.load(extra, weights_only=False) if extra.is_file() else None
+    return extra
+
+
+def _mismatch(path: Path, metadata: Metadata, state: dict) -> str | None:
+    """The keys of ``state`` the checkpoint lacks and the checkpoint's keys ``state`` lacks (of the parts ``state``
+    holds: the model, and the optimizer if given), as one message; None when they are the same."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(state)
+    where = metadata.planner_data or {}
+    saved = [k for k in metadata.state_dict_metadata if (where[k][0] if k in where else k.split(".")[0]) in state]
+    missing = [k for k in flat if k not in metadata.state_dict_metadata]
+    unexpected = [k for k in saved if k not in flat]
+    if not missing and not unexpected:
+        return None
+    if "optim" in state and not any(k.startswith("optim.") for k in metadata.state_dict_metadata):
+        return (f"checkpoint {path} holds no optimizer state (it was saved without an optimizer): load the model "
+                "only, ts.load(path, model), or pass strict=False to keep the optimizer as it is")
+
+    def few(keys: list[str]) -> str:
+        return ", ".join(keys[:5]) + (f", ... ({len(keys) - 5} more)" if len(keys) > 5 else "")
+
+    parts = [f"{len(keys)} {what} keys ({where}): {few(keys)}" for keys, what, where in (
+        (missing, "missing", "in this model, not in the checkpoint"),
+        (unexpected, "unexpected", "in the checkpoint, not in this model")) if keys]
+    return (f"checkpoint {path} does not fit this model: {'; '.join(parts)}. Load a checkpoint of this model, or "
+            "pass strict=False to load the keys that match and keep the others as they are")
+
+
+def _first_exception(err: BaseException) -> BaseException:
+    """The first rank's exception inside a DCP failure, which carries every rank's."""
+    failures = getattr(err, "failures", None)
+    if failures:
+        exc = next(iter(failures.values()))
+        return exc[0] if isinstance(exc, tuple) else exc
+    return err
 
 
 def _first_failure(err: BaseException) -> str:
     """One line for a DCP failure, which carries every rank's traceback."""
-    failures = getattr(err, "failures", None)
-    if failures:
-        exc = next(iter(failures.values()))
-        err = exc[0] if isinstance(exc, tuple) else exc
+    err = _first_exception(err)
     return str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
 
 

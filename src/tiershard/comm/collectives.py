@@ -9,6 +9,9 @@ Per backend, the algorithm that moves the fewest bytes: gloo's own reduce-scatte
 bytes), so on gloo a reduce-scatter is a ring of point-to-point exchanges, (k-1)/k of the buffer per rank to its
 ring successor; NCCL's is already a ring. ``comm/volume.py`` models exactly these rings, so the ledger counts
 what the NICs see. Groups of one rank are a local copy and send nothing.
+
+Each collective runs inside ``failure.guard``: a failure (a rank skipped it or died) becomes one
+``CollectiveError`` naming the operation, the unit, the tier and the missing ranks ([Note: bounded collectives]).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from .failure import guard
 from .ledger import LEDGER
 
 if TYPE_CHECKING:
@@ -46,10 +50,12 @@ def all_gather(out: torch.Tensor, shard: torch.Tensor, group: "TierGroup", topol
         out.copy_(shard)
         return
     if group.in_rank_order:
-        _all_gather_flat(out, shard.contiguous(), group=group.pg)
+        with guard(op, group, topology):
+            _all_gather_flat(out, shard.contiguous(), group=group.pg)
     else:
         by_rank = torch.empty_like(out)
-        _all_gather_flat(by_rank, shard.contiguous(), group=group.pg)
+        with guard(op, group, topology):
+            _all_gather_flat(by_rank, shard.contiguous(), group=group.pg)
         out.view(group.size, -1).index_copy_(0, _slot_index(group, out.device), by_rank.view(group.size, -1))
     _record(op, "all_gather", group, out, topology)
 
@@ -62,10 +68,11 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: "TierGroup", to
         return
     by_rank = full if group.in_rank_order else \
         full.view(group.size, -1).index_select(0, _slot_index(group, full.device)).view(-1)
-    if group.backend == "gloo":
-        _ring_reduce_scatter(out, by_rank, group, topology.rank)
-    else:
-        _reduce_scatter_flat(out, by_rank.contiguous(), group=group.pg)
+    with guard(op, group, topology):
+        if group.backend == "gloo":
+            _ring_reduce_scatter(out, by_rank, group, topology.rank)
+        else:
+            _reduce_scatter_flat(out, by_rank.contiguous(), group=group.pg)
     _record(op, "reduce_scatter", group, full, topology)
 
 
@@ -97,10 +104,12 @@ def gather_to_first(out: torch.Tensor, shard: torch.Tensor, group: "TierGroup", 
     first = group.ranks[0]
     if topology.rank == first:
         by_rank = list(torch.empty(out.numel(), dtype=out.dtype, device=out.device).chunk(group.size))
-        dist.gather(shard.contiguous(), by_rank, dst=first, group=group.pg)
+        with guard(op, group, topology):
+            dist.gather(shard.contiguous(), by_rank, dst=first, group=group.pg)
         out.view(group.size, -1).index_copy_(0, _slot_index(group, out.device), torch.stack(by_rank))
     else:
-        dist.gather(shard.contiguous(), None, dst=first, group=group.pg)
+        with guard(op, group, topology):
+            dist.gather(shard.contiguous(), None, dst=first, group=group.pg)
     LEDGER.record(op, "gather", group.ranks, out.numel() * out.element_size() if topology.rank == first else
                   shard.numel() * shard.element_size() * group.size, topology.rank, topology)
 
@@ -109,7 +118,8 @@ def all_reduce(buf: torch.Tensor, group: "TierGroup", topology: "Topology", op: 
     """Sum ``buf`` over the group in place."""
     if group.size == 1:
         return
-    dist.all_reduce(buf, group=group.pg)
+    with guard(op, group, topology):
+        dist.all_reduce(buf, group=group.pg)
     _record(op, "all_reduce", group, buf, topology)
 
 
@@ -117,18 +127,24 @@ def broadcast(buf: torch.Tensor, src: int, group: "TierGroup", topology: "Topolo
     """Copy ``src``'s ``buf`` to every member. Set-up only (before training), so not in the ledger."""
     if group.size == 1:
         return
-    dist.broadcast(buf, src=src, group=group.pg)
+    with guard(op, group, topology):
+        dist.broadcast(buf, src=src, group=group.pg)
 
 
 def wavefront(chunks: int, phases: Sequence["TierGroup"], issue: Callable[[int, "TierGroup"], tuple[Any, Any]],
-              finish: Callable[[int, "TierGroup", Any], None]) -> None:
+              finish: Callable[[int, "TierGroup", Any], None], topology: "Topology", op: str) -> None:
     """Run every phase (one collective per tier) over ``chunks`` column chunks as a pipeline: at tick t phase s
     works on chunk t - s, so chunk c+1 crosses one tier while chunk c crosses the next. ``issue(c, group)``
     starts phase ``group`` of chunk c asynchronously and returns (its work handle, what ``finish`` needs);
-    ``finish(c, group, that)`` runs once the handle completes, before the next tick."""
+    ``finish(c, group, that)`` runs once the handle completes, before the next tick. Each phase of each chunk
+    is one collective of its group (``guard``)."""
     for tick in range(chunks + len(phases) - 1):
-        flying = [(c, group, issue(c, group)) for stage, group in enumerate(phases)
-                  for c in (tick - stage,) if 0 <= c < chunks]
-        for c, group, (work, started) in flying:
-            work.wait()
+        flying = []
+        for stage, group in enumerate(phases):
+            if 0 <= tick - stage < chunks:
+                with guard(op, group, topology) as collective:
+                    flying.append((tick - stage, group, collective, issue(tick - stage, group)))
+        for c, group, collective, (work, started) in flying:
+            with collective:          # the same collective again: counted once
+                work.wait()
             finish(c, group, started)

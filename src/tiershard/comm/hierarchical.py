@@ -102,7 +102,7 @@ def _pipelined_reduce_scatter(buf: torch.Tensor, phases: list["TierGroup"], topo
         k, (height, width) = group.size, state[c].shape
         state[c] = received.view(k, height // k, width).sum(dim=0, dtype=torch.float32).to(received.dtype)
 
-    C.wavefront(len(spans), phases, issue, finish)
+    C.wavefront(len(spans), phases, issue, finish, topology, op)
     out = torch.empty(length, dtype=buf.dtype, device=buf.device)
     for (a, b), part in zip(spans, state):
         out[a:b] = part.view(-1)
@@ -130,7 +130,7 @@ def _pipelined_all_gather(out: torch.Tensor, shard: torch.Tensor, phases: list["
         ordered.index_copy_(0, C._slot_index(group, gathered.device), by_rank)
         state[c] = ordered.view(group.size * height, width)
 
-    C.wavefront(len(spans), phases, issue, finish)
+    C.wavefront(len(spans), phases, issue, finish, topology, op)
     view = out.view(rows, length)
     for (a, b), part in zip(spans, state):
         view[:, a:b] = part

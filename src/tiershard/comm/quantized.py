@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives as C
+from .failure import guard
 from .codecs import BlockCodec
 from .ledger import LEDGER
 
@@ -131,7 +132,7 @@ class QuantizedReduceScatter:
             k = group.size
             state[c] = codec.decode_wire_sum(received, k, state[c].numel() // k, segments=runs[c])
 
-        C.wavefront(len(runs), hops, issue, finish)
+        C.wavefront(len(runs), hops, issue, finish, topology, op)
         out_rows = rows // math.prod(group.size for group in hops)
         out = torch.empty(out_rows, width, dtype=torch.float32, device=buf.device)
         for a, r, part in zip(starts, runs, state):
@@ -154,6 +155,7 @@ class QuantizedReduceScatter:
             finite = torch.isfinite(residual).all()
             self.residuals[ef_key] = torch.where(finite, residual, torch.zeros((), device=residual.device)).view(-1)
         received = torch.empty_like(wire)
-        dist.all_to_all_single(received, wire, group=group.pg)
+        with guard(op, group, topology):
+            dist.all_to_all_single(received, wire, group=group.pg)
         LEDGER.record(op, "all_to_all", group.ranks, wire.numel(), topology.rank, topology)
         return codec.decode_wire_sum(received, k, n, segments=segments)

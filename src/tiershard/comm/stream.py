@@ -15,14 +15,22 @@ device, and a buffer handed back is complete. A buffer the thread allocates and 
 its memory back to the communication stream while the main stream's kernels may still read it.
 ``inline=True`` runs everything on the caller's thread at submission: the synchronous schedule, the reference
 the overlapped one must match bit for bit.
+
+[Note: no failure is dropped] A job's failure reaches the main thread exactly once: at the first ``result()`` of
+its future, or else at the next ``drain`` or ``submit``, even when the job finished long before (a reduction that
+failed must stop the step before the optimizer uses the gradients it did not deliver). After a collective failed
+(``CollectiveError``) the stream runs no further job: each later one fails with that error, since a collective
+issued after a failed one on the same groups would hang or pair with the wrong peer.
 """
 from __future__ import annotations
 
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+from .failure import CollectiveError, unit_scope
 
 if TYPE_CHECKING:
     from ..topology import Topology
@@ -45,6 +53,20 @@ def stream_for(topology: "Topology") -> "CommStream":
     return stream
 
 
+class _Job(Future):
+    """A job's future that remembers whether its failure has reached a caller ([Note: no failure is dropped])."""
+
+    seen = False
+
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            return super().result(timeout)
+        except BaseException:
+            if self.done():
+                self.seen = True
+            raise
+
+
 class CommStream:
     """A FIFO of collectives for one topology (see [Note: one ordered stream])."""
 
@@ -53,26 +75,45 @@ class CommStream:
         self._pool = None if inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiershard-comm")
         self._cuda = torch.cuda.Stream(device) if device.type == "cuda" and not inline else None
         self._consumer = torch.cuda.current_stream(device) if self._cuda is not None else None
-        self._pending: list[Future] = []
+        self._pending: list[_Job] = []
+        self._broken: CollectiveError | None = None    # the first collective that failed: nothing runs after it
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run ``fn(*args)`` after everything submitted before; returns its future."""
+    def submit(self, fn: Callable[..., Any], *args: Any, unit: str | None = None) -> Future:
+        """Run ``fn(*args)`` after everything submitted before; returns its future. ``unit`` is named in the
+        error of a collective that fails in it. Raises first a failure of an earlier job nobody has seen."""
+        self._raise_unseen()
+        job = _Job()
         if self.inline:
-            future: Future = Future()
-            try:
-                with torch.no_grad():
-                    future.set_result(fn(*args))
-            except BaseException as err:       # surfaces at result(), as on the thread
-                future.set_exception(err)
-            return future
-        ready = None
-        if self._cuda is not None:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
-        future = self._pool.submit(self._run, fn, args, ready)
+            self._execute(job, fn, args, None, unit)      # surfaces at result(), as on the thread
+        else:
+            ready = None
+            if self._cuda is not None:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.device))
+            self._pool.submit(self._execute, job, fn, args, ready, unit)
+        self._pending.append(job)
+        return job
+
+    def _raise_unseen(self) -> None:
+        """Forget finished jobs; raise the first failure that has not reached a caller yet."""
+        failed = next((f for f in self._pending if f.done() and not f.seen and f.exception() is not None), None)
         self._pending = [f for f in self._pending if not f.done()]
-        self._pending.append(future)
-        return future
+        if failed is not None:
+            failed.result()
+
+    def _execute(self, job: _Job, fn: Callable[..., Any], args: tuple, ready, unit: str | None) -> None:
+        if self._broken is not None:
+            job.set_exception(self._broken)
+            return
+        try:
+            with unit_scope(unit):
+                result = self._run(fn, args, ready)
+        except BaseException as err:
+            if isinstance(err, CollectiveError) and self._broken is None:
+                self._broken = err
+            job.set_exception(err)
+        else:
+            job.set_result(result)
 
     def _run(self, fn: Callable[..., Any], args: tuple, ready) -> Any:
         with torch.no_grad():
@@ -96,7 +137,9 @@ class CommStream:
         return self.submit(fn, *args).result()
 
     def drain(self) -> None:
-        """Wait for everything submitted; raise the first failure."""
+        """Wait for everything submitted; raise the first failure no caller has seen yet."""
         pending, self._pending = self._pending, []
-        for future in pending:
-            future.result()
+        wait(pending)
+        for job in pending:
+            if not job.seen and job.exception() is not None:
+                job.result()

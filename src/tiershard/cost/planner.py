@@ -203,8 +203,14 @@ def why(e: Estimate, best: Estimate, outer: str) -> str:
     return "; ".join(parts) or "more collective latency"
 
 
-def coerce_model(model: object) -> ModelSpec:
-    """A ModelSpec from a ModelSpec, a torch module, a name such as ``"7b"`` or a parameter count."""
+def coerce_model(model: object, wrap: object = None) -> ModelSpec:
+    """A ModelSpec from a ModelSpec, a torch module, a name such as ``"7b"`` or a parameter count.
+
+    A module is cut into units as ``ts.shard(model, ..., wrap=wrap)`` cuts it; ``wrap=None`` is ts.shard's
+    default (a ``transformers`` model's ``_no_split_modules``: ``runtime/wrap.py`` ``default_wrap``)."""
+    if wrap is not None and not _is_module(model):
+        raise ValueError(f"wrap={wrap!r} cuts a torch module into units; a {type(model).__name__} has none to cut: "
+                         "pass the module itself, or drop wrap=")
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, str):
@@ -220,18 +226,29 @@ def coerce_model(model: object) -> ModelSpec:
     except ImportError:  # pragma: no cover
         nn = None
     if nn is not None and isinstance(model, nn.Module):
-        return ModelSpec.from_module(model)
+        return ModelSpec.from_module(model, wrap=wrap)
     raise TypeError(f"cannot plan for {type(model).__name__}: pass a ModelSpec, a torch module, "
                     "a name such as '7b' or a parameter count")
 
 
+def _is_module(model: object) -> bool:
+    try:
+        import torch.nn as nn
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, nn.Module)
+
+
 def auto_plan(model: object, cluster: Cluster, job: Job | None = None, *,
-              candidates: Sequence[Plan | str] | None = None) -> Plan:
-    """The fastest plan that fits in memory; ties go to less quantization. Raises NoPlanFits."""
+              candidates: Sequence[Plan | str] | None = None, wrap: object = None) -> Plan:
+    """The fastest plan that fits in memory; ties go to less quantization. Raises NoPlanFits.
+
+    A torch module is counted unit by unit as ``ts.shard(model, ..., wrap=wrap)`` would cut it (the same
+    default for ``wrap=None``), so pass the ``wrap`` you will shard with."""
     if not isinstance(cluster, Cluster):
         raise TypeError("auto_plan needs a tiershard.cost.Cluster (tiers with bandwidth and latency), "
                         "e.g. tiershard.cost.presets.preset('dgx-a100', gpus=64)")
-    spec = coerce_model(model)
+    spec = coerce_model(model, wrap)
     ranked = rank_plans(spec, cluster, job or Job(), candidates)
     if not ranked or not ranked[0].fits:
         raise no_plan_fits(spec, cluster, ranked)

@@ -135,7 +135,8 @@ class ModelSpec:
     @classmethod
     def from_module(cls, module: "torch.nn.Module", *, wrap=None, layers: int | None = None,
                     hidden: int | None = None, vocab: int | None = None) -> "ModelSpec":
-        """Count a module's parameters, cut into units as ``ts.shard(module, ..., wrap=wrap)`` cuts them.
+        """Count a module's parameters, cut into units as ``ts.shard(module, ..., wrap=wrap)`` cuts them
+        (``wrap=None``: ts.shard's default, a ``transformers`` model's ``_no_split_modules``).
 
         Layers default to the longest ModuleList (for activations), hidden to the widest embedding.
         """

@@ -5,6 +5,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import types
 from collections import Counter
 from typing import Iterator, Mapping
 
@@ -12,7 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import _IncompatibleKeys
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..comm.failure import unit_scope
 from ..plan import Plan
 from ..topology import Topology, TopologyError
 from .engine import Engine, Unit
@@ -43,7 +47,8 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
     """Shard ``model`` in place by ``plan`` over ``topology`` and return it.
 
     ``wrap``: module classes, class names or a predicate; each matching module is a unit (gathered and released
-    as one), the root takes the rest. ``param_dtype``: compute and gather precision (default: the parameters'
+    as one), the root takes the rest; None: a ``transformers`` model's ``_no_split_modules``, else one unit
+    (``wrap=()``: one unit on purpose). ``param_dtype``: compute and gather precision (default: the parameters'
     own dtype); ``reduce_dtype``: gradient reduction precision (default ``param_dtype``). Masters and optimizer
     states are fp32 DTensors with the parameters' names and shapes; frozen parameters (``requires_grad=False``)
     are kept only in ``param_dtype`` at level p. Every rank starts from rank 0's weights and buffers. The
@@ -99,6 +104,8 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
                 dtypes.update((id(m), p.dtype) for m, (p, _, _) in zip(group.masters, owned))
                 groups.append(group)
         unit = Unit(spec.path, spec.module, groups, engine)
+        for group in groups:
+            group.unit = unit.path
         unit.release()          # the module shows the masters from now on
         engine.units.append(unit)
     if meta:
@@ -108,6 +115,10 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
             group.sync_params()
     model._tiershard = engine
     _guard_save_pretrained(model)
+    _guard_load_state_dict(model)
+    for module in model.modules():           # .to / .half / .float / .cuda / ... of the model or any submodule
+        module._apply = types.MethodType(_sharded_apply, module)
+    _mark_replaced(params)
     model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: engine.settle())
     model.register_load_state_dict_pre_hook(lambda module, *args, **kwargs: engine.settle())
     return model
@@ -115,6 +126,46 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
 
 _SAVE_PRETRAINED_RECIPE = ("on every rank `state = ts.full_state_dict(model, rank0_only=True)`, then on rank 0 "
                            "`model.save_pretrained(path, state_dict=state)`")
+
+
+def _guard_load_state_dict(model: nn.Module) -> None:
+    """``model.load_state_dict`` of full plain tensors (an unsharded model's ``state_dict()``, a checkpoint file)
+    loads them into this rank's shards as ``ts.load_full_state_dict`` does, with torch's strict / missing /
+    unexpected key rules and messages (torch would fail copying a plain tensor into a DTensor); only, unlike
+    torch, a mismatch raises before anything is written. A state dict of DTensors (``model.state_dict()``,
+    ``torch.distributed.checkpoint``) takes torch's own path, as before."""
+    load = model.load_state_dict
+
+    @functools.wraps(load)
+    def load_state_dict(state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
+        engine = _engine(model)
+        layouts = list(_units_layouts(engine))
+        names = {name for _, _, layout in layouts for name in layout.names}
+        kinds = {isinstance(v, DTensor) for k, v in state_dict.items() if k in names}
+        if False not in kinds:           # DTensors, or no parameter at all: torch's own path
+            return load(state_dict, strict=strict, assign=assign)
+        if True in kinds:
+            raise ValueError("this state dict mixes DTensor shards and full tensors for the parameters: load one "
+                             "kind (model.state_dict() gives DTensors, ts.full_state_dict(model) full tensors)")
+        if assign:
+            raise ValueError("load_state_dict(..., assign=True) would replace the sharded parameters by full "
+                             "tensors: drop assign=True; full tensors are copied into this rank's shards")
+        missing, unexpected = _key_mismatch(model, layouts, state_dict)
+        errors = [f"size mismatch for {name}: copying a param with shape {torch.Size(theirs)} from checkpoint, "
+                  f"the shape in current model is {torch.Size(ours)}."
+                  for name, theirs, ours in _shape_mismatch(model, layouts, state_dict)]
+        quoted = lambda keys: ", ".join(f'"{k}"' for k in keys)    # noqa: E731 - torch's message, verbatim
+        if strict and unexpected:
+            errors.insert(0, f"Unexpected key(s) in state_dict: {quoted(unexpected)}. ")
+        if strict and missing:
+            errors.insert(0, f"Missing key(s) in state_dict: {quoted(missing)}. ")
+        if errors:
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__} (nothing was loaded):"
+                               "\n\t" + "\n\t".join(errors))
+        _write_full(model, engine, layouts, state_dict)
+        return _IncompatibleKeys(missing, unexpected)
+
+    model.load_state_dict = load_state_dict
 
 
 def _guard_save_pretrained(model: nn.Module) -> None:
@@ -140,6 +191,86 @@ def _guard_save_pretrained(model: nn.Module) -> None:
         return save(*args, **kwargs)
 
     model.save_pretrained = save_pretrained
+
+
+_DTYPE_FIX = ("the masters stay fp32; compute precision is ts.shard(..., param_dtype=torch.bfloat16) (and "
+              "reduce_dtype= for the gradient reduction)")
+_DEVICE_FIX = ("shard it on the target device: move the model there before ts.shard, or build it under "
+               "torch.device('meta') and pass ts.shard(..., device=...)")
+
+
+def _sharded_apply(self: nn.Module, fn, recurse: bool = True) -> nn.Module:
+    """``nn.Module._apply`` of a sharded model (behind ``to``, ``half``, ``float``, ``double``, ``bfloat16``,
+    ``type``, ``cuda``, ``cpu``, ``to_empty``): torch would swap the DTensor masters for tensors the engine does
+    not hold (a cast dies in the next backward, a move in a later gather, ``to_empty`` trains on garbage).
+
+    ``fn`` is tried on a one-element tensor of each (dtype, device) the module holds; if it returns that very
+    tensor everywhere the call changes nothing and returns the module (``.to("cpu")`` on a CPU model,
+    ``.float()`` on fp32 masters); anything else raises, naming the fix, before a tensor has changed."""
+    qualname = getattr(fn, "__qualname__", "").split(".")
+    call = f"{type(self).__name__}.{qualname[1] if len(qualname) > 2 and qualname[0] == 'Module' else '_apply'}()"
+    moves, casts, replaced = set(), set(), False
+    kinds = {(t.dtype, t.device) for t in self.parameters(recurse=recurse)}
+    kinds |= {(t.dtype, t.device) for t in self.buffers(recurse=recurse)}
+    for dtype, device in kinds:
+        probe = torch.zeros(1, dtype=dtype, device=device)
+        try:
+            out = fn(probe)
+        except Exception as err:  # noqa: BLE001 - e.g. .cuda() without CUDA: a move all the same
+            raise RuntimeError(f"{call} on a sharded model failed ({type(err).__name__}: {err}); a sharded model "
+                               f"stays on the device ts.shard put it on ({device}): {_DEVICE_FIX}. Nothing was "
+                               "changed") from err
+        if out is probe:
+            continue
+        if out.device != device:
+            moves.add(f"{device} to {out.device}")
+        elif out.dtype != dtype:
+            casts.add(f"{dtype} to {out.dtype}")
+        else:
+            replaced = True
+    if moves:
+        raise RuntimeError(f"{call} would move a sharded model ({', '.join(sorted(moves))}); its shards and process "
+                           f"groups stay where ts.shard put them: {_DEVICE_FIX}. Nothing was changed")
+    if casts:
+        raise RuntimeError(f"{call} would cast a sharded model's tensors ({', '.join(sorted(casts))}): {_DTYPE_FIX}. "
+                           "Nothing was changed")
+    if replaced:
+        raise RuntimeError(f"{call} would replace a sharded model's tensors: ts.shard already materialised its "
+                           "shards (a meta-built model through init=); load weights with model.load_state_dict "
+                           "or ts.load_full_state_dict. Nothing was changed")
+    return self
+
+
+# [Note: optimizers of replaced parameters] ts.shard replaces every parameter of the model by its master; an
+# optimizer built before holds the old ones, gets no gradients and steps nothing, silently. ts.shard marks the old
+# parameters and a global step pre-hook refuses such an optimizer at its first step, before anything is stepped.
+# Optimizers of anything else hold no marked parameter and are never refused. The check runs again only when the
+# optimizer's parameter count or the number of ts.shard calls changes (a few list lengths per step otherwise).
+_SHARDS = 0
+_PRE_HOOK = None
+
+
+def _mark_replaced(params) -> None:
+    global _SHARDS, _PRE_HOOK
+    for p, _, names in params:
+        p.__dict__["_tiershard_replaced"] = names[0]
+    _SHARDS += 1
+    if _PRE_HOOK is None:
+        _PRE_HOOK = register_optimizer_step_pre_hook(_refuse_replaced_params)
+
+
+def _refuse_replaced_params(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    key = (_SHARDS, sum(len(group["params"]) for group in optimizer.param_groups))
+    if optimizer.__dict__.get("_tiershard_checked") == key:
+        return
+    stale = [p.__dict__.get("_tiershard_replaced") for group in optimizer.param_groups for p in group["params"]]
+    stale = [name for name in stale if name is not None]
+    if stale:
+        raise RuntimeError(f"this {type(optimizer).__name__} holds {len(stale)} parameters that ts.shard replaced "
+                           f"(e.g. {stale[0]!r}): stepping them would train nothing. Build the optimizer after "
+                           "ts.shard(model, ...), from model.parameters() (and any LR scheduler on it). Nothing was "
+                           "stepped")
+    optimizer.__dict__["_tiershard_checked"] = key
 
 
 def _target_device(model: nn.Module, device: torch.device | str | None) -> tuple[torch.device, bool]:
@@ -252,7 +383,9 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False, cpu_offload: boo
     out: dict[str, torch.Tensor] = {}
     keep = not rank0_only or dist.get_rank() == 0
     for group in engine.groups():
-        for layout, tensor in zip(group.layouts, group.full_values(rank0_only)):
+        with unit_scope(group.unit):           # named if a rank does not take part ([Note: bounded collectives])
+            values = group.full_values(rank0_only)
+        for layout, tensor in zip(group.layouts, values):
             if cpu_offload:
                 tensor = tensor.cpu()
             for name in layout.names:
@@ -268,18 +401,33 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], st
     """Load full tensors (as ``full_state_dict`` gives them) on every rank; shards are cut locally."""
     engine = _engine(model)
     layouts = list(_units_layouts(engine))
-    expected = {name for _, _, layout in layouts for name in layout.names}
-    expected |= {name for name, _ in _persistent_buffers(model)}
-    missing = sorted(expected - state.keys())
-    unexpected = sorted(state.keys() - expected)
+    missing, unexpected = _key_mismatch(model, layouts, state)
     if strict and (missing or unexpected):
         raise KeyError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
                        f"{' ...' if len(missing) > 5 or len(unexpected) > 5 else ''}")
-    for _, _, layout in layouts:      # check everything before writing anything
-        for name in layout.names:
-            if name in state and tuple(state[name].shape) != tuple(layout.shape):
-                raise ValueError(f"{name}: shape {tuple(state[name].shape)} in the state dict, "
-                                 f"{tuple(layout.shape)} in the model; nothing was loaded")
+    for name, theirs, ours in _shape_mismatch(model, layouts, state):    # check everything before writing anything
+        raise ValueError(f"{name}: shape {theirs} in the state dict, {ours} in the model; nothing was loaded")
+    _write_full(model, engine, layouts, state)
+
+
+def _key_mismatch(model: nn.Module, layouts: list, state: Mapping[str, torch.Tensor]) -> tuple[list, list]:
+    """(missing, unexpected) keys of a full state dict: every name of a parameter, the persistent buffers."""
+    expected = {name for _, _, layout in layouts for name in layout.names}
+    expected |= {name for name, _ in _persistent_buffers(model)}
+    return sorted(expected - state.keys()), sorted(state.keys() - expected)
+
+
+def _shape_mismatch(model: nn.Module, layouts: list, state: Mapping[str, torch.Tensor]):
+    """(name, shape given, shape in the model) for each entry of ``state`` that does not fit."""
+    shapes = {name: tuple(layout.shape) for _, _, layout in layouts for name in layout.names}
+    shapes.update((name, tuple(buf.shape)) for name, buf in _persistent_buffers(model))
+    for name, value in state.items():
+        if name in shapes and tuple(value.shape) != shapes[name]:
+            yield name, tuple(value.shape), shapes[name]
+
+
+@torch.no_grad()
+def _write_full(model: nn.Module, engine: Engine, layouts: list, state: Mapping[str, torch.Tensor]) -> None:
     touched: list[FlatGroup] = []
     for group, index, layout in layouts:
         name = next((n for n in layout.names if n in state), None)

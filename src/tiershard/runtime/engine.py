@@ -19,6 +19,22 @@
     optimizer.step()    a global post-step hook marks the working copies of every group it stepped stale; the
                         unit's next gather rebuilds them ([Note: deferred rebuild], flat.py)
 
+[Note: collective order] Every rank must issue the engine's collectives in the same order, so that order may
+depend only on the model and on the passes every rank runs, never on what one rank did alone: a forward under
+``torch.no_grad()`` on rank 0 only (sample logging) is legal when the weights are replicated (p = N), and it may
+visit other units in another order. So:
+    a unit's own gather     issued when it runs (the FSDP contract: every rank runs the same units in the same
+                            order in every pass that communicates);
+    prefetch                the next ``prefetch`` units in registration order (``Engine.units``, the same list on
+                            every rank), in backward the previous ones; no order is learned from a past forward;
+    replicated rebuilds     after the masters changed (an optimizer step, a write), the first unit that needs
+                            its level-p copy rebuilt (os -> p all-gather, [Note: deferred rebuild]) issues the
+                            rebuilds of every group that needs one, in registration order, whichever unit that
+                            is and whichever units the forward goes on to visit; each is copied into the working
+                            tensors on the stream, so they hold no extra memory while they wait.
+A rank-local forward therefore issues no collective, or (right after a step) the same rebuilds in the same order
+as the next forward of every other rank; in both cases the others' collectives pair with the right ones.
+
 [Note: what the module shows] Between forward/backward the module's parameters are the masters (DTensors);
 inside a unit's forward and backward they are its working tensors (plain tensors of the original shapes).
 """
@@ -212,8 +228,7 @@ class Engine:
         self.qwz_eval = qwz_eval
         self.prefetch = prefetch            # units gathered ahead; 0: nothing overlaps (the synchronous schedule)
         self.overlap = prefetch > 0
-        self.order: list[Unit] = []         # units in the order this forward first ran them
-        self.last_order: list[Unit] = []    # ... and the previous forward's, which the next one will follow
+        self._positions: dict[int, int] = {}   # id(unit) -> its place in self.units ([Note: collective order])
         self.placement, self.topology = placement, placement.topology
         self.param_dtype, self.reduce_dtype, self.device = param_dtype, reduce_dtype, device
         self.cast_dtype = param_dtype if param_dtype != torch.float32 else None
@@ -258,25 +273,28 @@ class Engine:
                         "before calling ts.shard")
             if group.stale:
                 group.sync_params()
+        if any(g.rebuild_pending and g.pl.p == 0 for g in unit.groups):
+            for group in self.groups():        # every replicated rebuild, in registration order
+                if group.rebuild_pending and group.pl.p == 0:
+                    group.gather_start("param_gather")
+
+    def _position(self, unit: Unit) -> int:
+        if len(self._positions) != len(self.units):
+            self._positions = {id(u): i for i, u in enumerate(self.units)}
+        return self._positions[id(unit)]
 
     def prefetch_forward(self, unit: Unit, exact: bool) -> None:
-        """Record the forward order; issue the gathers of the units that followed this one last time."""
-        if unit is self.root:
-            if self.order:
-                self.last_order = self.order
-            self.order = []
-        if unit not in self.order:
-            self.order.append(unit)
-        if self.prefetch and unit in self.last_order:
-            i = self.last_order.index(unit)
-            for later in self.last_order[i + 1:i + 1 + self.prefetch]:
+        """Issue the gathers of the next units in registration order ([Note: collective order])."""
+        if self.prefetch:
+            i = self._position(unit)
+            for later in self.units[i + 1:i + 1 + self.prefetch]:
                 later.prefetch("param_gather", exact)
 
     def prefetch_backward(self, unit: Unit) -> None:
-        """Issue the gathers of the units whose backward comes next: this forward's order, reversed."""
-        if self.prefetch and unit in self.order:
-            i = self.order.index(unit)
-            for earlier in reversed(self.order[max(0, i - self.prefetch):i]):
+        """Issue the gathers of the units whose backward comes next: the previous ones in registration order."""
+        if self.prefetch:
+            i = self._position(unit)
+            for earlier in reversed(self.units[max(0, i - self.prefetch):i]):
                 earlier.prefetch("param_gather_backward")
 
     def backward_started(self) -> None:

@@ -26,15 +26,34 @@ optimizer step. Every rank still issues the same collectives in the same order (
 [Note: gathering without bumping versions] Autograd saves the working tensors for backward. Gathers write
 through ``aliases``, tensors on the same storage with their own version counters, so refilling freed storage
 before backward does not trip autograd's in-place check.
+
+[Note: gradients between micro-steps] Under ``ts.no_sync`` the micro-steps accumulate at level g in
+``grad_acc``; a master's ``.grad`` holds a ``PendingGrad``, zeros plus whatever the user adds, and the
+boundary adds the reduced accumulator to it. What DDP would do to the accumulated gradient the user's in-place
+writes do here too: ``PendingGrad`` sees each write (``__torch_dispatch__``) and records its effect on the
+micro-steps so far, applied to their columns of ``grad_acc`` before the next reduction adds to it: a
+multiplication or division by a number scales them (``mul_(1.0)`` changes nothing), an addition leaves them
+(``add_(0)`` changes nothing), ``zero_``/``fill_``/``copy_`` (``optimizer.zero_grad(set_to_none=False)``,
+foreach or not) drops them, as does setting ``.grad`` to None or to another tensor. Any other write (``clamp_``,
+a product with a tensor) would need the micro-steps themselves, which sit reduced at level g: it raises before
+changing anything.
+
+[Note: draining before .grad] A master's ``.grad`` (read, set or deleted: ``zero_grad``, ``clip_grad_norm_``,
+the optimizer) first waits for the communication stream, so a reduction still in flight (a backward that
+raised leaves some behind: its end callback never waits for them) lands before the user reads or clears the
+gradient, never after. The engine's own accesses, some of them on the stream, go through ``_get_grad`` /
+``_set_grad``.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+import weakref
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.utils._pytree import tree_flatten
 
 from ..comm import collectives as C
 from ..comm import hierarchical as H
@@ -47,11 +66,45 @@ if TYPE_CHECKING:
     from ..plan import Placement
 
 
+_RAW_GRAD = torch._C.TensorBase.grad
+_STREAMS: "weakref.WeakSet" = weakref.WeakSet()   # the streams of every flat group: drained before .grad
+
+
+def _drain_streams() -> None:
+    for stream in list(_STREAMS):
+        stream.drain()
+
+
+def _get_grad(master: torch.Tensor) -> torch.Tensor | None:
+    """``master.grad`` without draining: the engine's own accesses ([Note: draining before .grad])."""
+    return _RAW_GRAD.__get__(master)
+
+
+def _set_grad(master: torch.Tensor, value: torch.Tensor | None) -> None:
+    _RAW_GRAD.__set__(master, value)
+
+
 class TierMaster(DTensor):
-    """A master parameter: a DTensor that notices ``.data`` being taken ([Note: no stale copies]).
+    """A master parameter: a DTensor that notices ``.data`` being taken ([Note: no stale copies]), and whose
+    ``.grad`` waits for the reductions in flight ([Note: draining before .grad]).
 
     Assigning ``.data`` would replace the wrapper without its shard (DTensor keeps the old local tensor), so it
     raises instead of losing the value."""
+
+    @property
+    def grad(self):
+        _drain_streams()
+        return _RAW_GRAD.__get__(self)
+
+    @grad.setter
+    def grad(self, value):
+        _drain_streams()
+        _RAW_GRAD.__set__(self, value)
+
+    @grad.deleter
+    def grad(self):
+        _drain_streams()
+        _RAW_GRAD.__delete__(self)
 
     @property
     def data(self):
@@ -65,6 +118,63 @@ class TierMaster(DTensor):
                            "`with torch.no_grad(): param.copy_(value)`")
 
 
+_SCALES = {"mul_": 1, "_foreach_mul_": 1, "div_": -1, "_foreach_div_": -1}
+_ADDS = {"add_", "sub_", "addcmul_", "addcdiv_", "_foreach_add_", "_foreach_sub_", "_foreach_addcmul_",
+         "_foreach_addcdiv_"}
+_REPLACES = {"zero_", "fill_", "copy_", "_foreach_zero_", "_foreach_copy_"}
+
+
+class PendingGrad(DTensor):
+    """A master's gradient between ``ts.no_sync`` micro-steps: the micro-steps so far are not in it yet (they sit
+    at level g), so each in-place write records what it does to them ([Note: gradients between micro-steps])."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        writes = [(a.name, i) for i, a in enumerate(func._schema.arguments)
+                  if a.alias_info is not None and a.alias_info.is_write]
+        for name, i in writes:
+            value = args[i] if i < len(args) else kwargs.get(name)
+            targets = value if isinstance(value, (list, tuple)) else [value]
+            factors = [_write_factor(func, args, kwargs, k, t) if isinstance(t, PendingGrad) else None
+                       for k, t in enumerate(targets)]
+            for t, factor in zip(targets, factors):      # every write understood: only now record them
+                if factor is not None:
+                    t.__dict__["_tiershard_scale"] = t.__dict__.get("_tiershard_scale", 1.0) * factor
+        return DTensor.__torch_dispatch__(func, types, args, kwargs)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        return float((value.full_tensor() if isinstance(value, DTensor) else value).item())
+    return None
+
+
+def _write_factor(func, args, kwargs, position: int, target: PendingGrad) -> float:
+    """What an in-place write to ``target`` (the ``position``-th of a foreach list) does to the micro-steps
+    accumulated so far: the factor they are multiplied by (0: dropped). Raises for a write they cannot follow."""
+    name = func.overloadpacket.__name__
+    others = [t for t in tree_flatten((args[1:], kwargs))[0] if isinstance(t, PendingGrad)]
+    if name in _REPLACES and not others:
+        return 0.0
+    if name in _ADDS and not others:
+        return 1.0
+    if name in _SCALES and not others and kwargs.get("rounding_mode") is None and len(args) >= 2:
+        other = args[1]
+        if isinstance(other, (list, tuple)):
+            other = other[position]
+        number = _number(other)
+        if number is not None and (number != 0 or _SCALES[name] > 0):
+            return number if _SCALES[name] > 0 else 1.0 / number
+    raise RuntimeError(
+        f"{func} writes param.grad between ts.no_sync micro-steps, and tiershard cannot apply it to the micro-steps "
+        "accumulated so far: they are kept reduced at level g until the boundary, where they reach .grad. Between "
+        "micro-steps .grad takes a multiplication or division by a number, an addition, zero_grad() or zero_(); "
+        "do anything else after the last micro-step (outside ts.no_sync)")
+
+
 def _alias(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor on ``tensor``'s storage with a version counter of its own."""
     return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
@@ -73,6 +183,8 @@ def _alias(tensor: torch.Tensor) -> torch.Tensor:
 
 class FlatGroup:
     """Storage and level-to-level moves for one group of parameters; no hooks, no schedule."""
+
+    unit = "<unknown>"                 # the module path of its unit (set by ts.shard): named in collective errors
 
     def __init__(self, layouts: Sequence[ParamLayout], values: Sequence[torch.Tensor] | None, placement: "Placement",
                  trainable: bool, param_dtype: torch.dtype, reduce_dtype: torch.dtype, device: torch.device):
@@ -105,7 +217,8 @@ class FlatGroup:
         self.p_shard = None if placement.p == 0 or not trainable else \
             torch.empty(self.S // self.size(placement.p), dtype=param_dtype, device=device)
         self.grad_acc: torch.Tensor | None = None   # allocated by the first micro-step, handed over at the boundary
-        self._marks: list[tuple[int, int] | None] = [None] * len(self.layouts)   # (id, version) of grads set
+        # the gradient each master held after the last micro-step ([Note: gradients between micro-steps])
+        self._pending: list[torch.Tensor | None] = [None] * len(self.layouts)
         self.hpz: dict[int, tuple[int, torch.Tensor]] = {}   # level -> (weights version, band or its wire)
         plan = placement.plan
         self.qwz = QuantizedGather(codec_from_spec(plan.qwz)) if plan.qwz else None
@@ -114,6 +227,7 @@ class FlatGroup:
         self._encoded_p = None         # (weights version, wire): the qwz encoding of p_shard, reused until it changes
         self.cc = plan.cc
         self.stream = stream_for(topo)
+        _STREAMS.add(self.stream)
         self._gathering = None         # (future of the gathered matrix, exact): a gather in flight
         self._reducing = None          # future of this group's last reduction
         self._rebuild = False          # the masters changed since p_shard (or, replicated, the working copy) was made
@@ -163,6 +277,11 @@ class FlatGroup:
 
     def _master_marks(self) -> list[tuple[int, int, int]]:
         return [(m._version, id(m._local_tensor), m._local_tensor._version) for m in self.masters]
+
+    @property
+    def rebuild_pending(self) -> bool:
+        """The masters changed and the level-p copy is not rebuilt (nor its rebuild issued) yet."""
+        return self._rebuild
 
     @property
     def stale(self) -> bool:
@@ -281,7 +400,8 @@ class FlatGroup:
                 break
         if level == pl.p and source is None:
             source = self._pack_masters(self.param_dtype)
-        future = self.stream.submit(self._gather_matrix, op, exact, level, source, self.weights_version, rebuild)
+        future = self.stream.submit(self._gather_matrix, op, exact, level, source, self.weights_version, rebuild,
+                                    unit=self.unit)
         self._gathering = (future, exact)
 
     def gather_finish(self) -> None:
@@ -294,7 +414,8 @@ class FlatGroup:
             for w in self.working:
                 w.untyped_storage().resize_(w.numel() * w.element_size())
             self.allocated = True
-        self._copy_out(full)
+        if full is not None:           # None: a replicated rebuild, already in the working tensors
+            self._copy_out(full)
         # an exact copy is not reused under qwz; a replicated copy is always exact and stays until the next step
         self.gathered_version = version if self.pl.p == 0 or not exact else -1
 
@@ -310,8 +431,9 @@ class FlatGroup:
         pl = self.pl
         if rebuild:
             level_p = self._rebuild_level_p()
-            if level_p is not None:        # replicated: the rebuilt copy is the whole matrix
-                return self.stream.hand_over(level_p), version
+            if level_p is not None:        # replicated: the rebuilt copy is the whole matrix; into the working
+                self._split_full(level_p, self.aliases)    # tensors here, so rebuilds issued early hold no copy
+                return None, version
         full = torch.empty(self.S, dtype=self.param_dtype, device=self.device)
         encoded = None
         if self.qwz is None or exact:
@@ -359,11 +481,11 @@ class FlatGroup:
         boundary on to the masters' gradients at level os. The working gradients are interleaved here; the
         collectives run on the stream while backward goes on.
 
-        Off the boundary the masters get placeholder gradients so that zero_grad can be seen
-        (``discard_cleared_grads``)."""
+        Off the boundary the masters get ``PendingGrad`` placeholders, whose writes ``apply_grad_writes`` brings
+        to the micro-steps so far ([Note: gradients between micro-steps])."""
         if self._reducing is not None:
             self._reducing.result()        # the group's previous reduction reads and writes the same state
-        self.discard_cleared_grads()
+        self.apply_grad_writes()
         pieces = []
         for layout, w in zip(self.layouts, self.working):
             grad, w.grad = w.grad, None
@@ -373,7 +495,7 @@ class FlatGroup:
                 pieces.append(layout.band(0, self.W).padded_flat(grad))
         full = torch.empty(self.S, dtype=self.reduce_dtype, device=self.device)
         _chunk_cat(pieces, self.W, full)
-        self._reducing = self.stream.submit(self._reduce_matrix, full, boundary)
+        self._reducing = self.stream.submit(self._reduce_matrix, full, boundary, unit=self.unit)
 
     def _reduce_matrix(self, full: torch.Tensor, boundary: bool) -> None:
         """(On the stream.) Reduce-scatter to level g, accumulate, and at the boundary finish at level os."""
@@ -395,32 +517,38 @@ class FlatGroup:
         else:
             self._mark_grads()
 
-    def discard_cleared_grads(self) -> None:
-        """``optimizer.zero_grad()`` between micro-steps clears what they accumulated, as it would with DDP.
-
-        Each master holds a gradient from its first micro-step on (zeros until the boundary adds the rest), so
-        clearing it (set to None, or zeroed in place) is visible here; that parameter's columns are dropped."""
+    def apply_grad_writes(self) -> None:
+        """What the user did to ``.grad`` since the last micro-step, applied to the micro-steps accumulated so far,
+        as DDP would ([Note: gradients between micro-steps]): scaled by the in-place writes recorded, dropped when
+        ``.grad`` was zeroed, set to None (``zero_grad()``) or replaced."""
         if self.grad_acc is None:      # nothing accumulated since the last boundary
             return
         band = self.grad_acc.view(self.slots(self.pl.g), self.U)
         for i, (layout, master) in enumerate(zip(self.layouts, self.masters)):
-            if self._marks[i] is not None and self._grad_mark(master) != self._marks[i]:
-                band[:, layout.offset:layout.offset + layout.cols].zero_()
-                self._marks[i] = None
-
-    @staticmethod
-    def _grad_mark(master: nn.Parameter):
-        grad = master.grad
-        if grad is None:
-            return None
-        return (id(grad), grad._version, grad._local_tensor._version)
+            held = self._pending[i]
+            if held is None:
+                continue
+            grad = _get_grad(master)
+            factor = held.__dict__.pop("_tiershard_scale", 1.0) if grad is held else 0.0
+            if factor != 1.0:
+                columns = band[:, layout.offset:layout.offset + layout.cols]
+                columns.zero_() if factor == 0.0 else columns.mul_(factor)
+            if grad is not held:
+                self._pending[i] = None
 
     def _mark_grads(self) -> None:
-        """Give every master a gradient (zeros until the boundary) so that zero_grad can be seen."""
-        for i, (layout, master) in enumerate(zip(self.layouts, self.masters)):
-            if master.grad is None:
-                master.grad = self._dtensor(i, self.stream.hand_over(torch.zeros_like(self.master_local(i))))
-            self._marks[i] = self._grad_mark(master)
+        """(On the stream.) Give every master a ``PendingGrad`` (zeros, or the tensor the user set, in place),
+        whose writes the next micro-step applies to the accumulator."""
+        for i, master in enumerate(self.masters):
+            grad = _get_grad(master)
+            if grad is None:
+                grad = self._dtensor(i, self.stream.hand_over(torch.zeros_like(self.master_local(i))))
+            elif type(grad) is DTensor and grad._spec == self.specs[i]:
+                grad = self._dtensor(i, grad._local_tensor)     # the tensor the user set: its writes count too
+            if type(grad) is DTensor:
+                grad.__class__ = PendingGrad
+                _set_grad(master, grad)
+            self._pending[i] = grad
 
     def _reduce_scatter(self, buf: torch.Tensor, inner: int, outer: int, op: str) -> torch.Tensor:
         """Sum over the (inner -> outer) group, keeping this rank's level-``outer`` chunk; qgz goes tier by tier."""
@@ -469,7 +597,7 @@ class FlatGroup:
                     self._all_gather(out, buf, pl.os, pl.g, "grad_sync")
             out = out.to(torch.float32)
         self._add_to_master_grads(self.stream.hand_over(out))
-        self._marks = [None] * len(self.layouts)
+        self._pending = [None] * len(self.layouts)
 
     def _add_to_master_grads(self, band: torch.Tensor) -> None:
         """Split a level-os (slots x U) band into the masters' gradient shards and add them in."""
@@ -482,10 +610,13 @@ class FlatGroup:
         for i, (layout, master, block) in enumerate(zip(self.layouts, self.masters, blocks)):
             b = layout.band(self.first_slot(self.pl.os), n_os)
             local = b.real(block.view(b.padded, layout.row))
-            if master.grad is None:
-                master.grad = self._dtensor(i, self.stream.hand_over(local))
+            grad = _get_grad(master)
+            if grad is None:
+                _set_grad(master, self._dtensor(i, self.stream.hand_over(local)))
+            elif isinstance(grad, PendingGrad):     # the boundary: from now on a plain gradient
+                _set_grad(master, self._dtensor(i, grad._local_tensor.add_(local)))
             else:
-                master.grad._local_tensor.add_(local)
+                grad._local_tensor.add_(local)
 
     # ---- whole-state helpers ------------------------------------------------------------------
     @torch.no_grad()

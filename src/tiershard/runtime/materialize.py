@@ -16,7 +16,9 @@ its draws happen and are discarded, as eager construction discards the head's ow
 The last step's values are taken from rank 0 (one broadcast per module), as the eager path does, so ranks
 seeded differently still agree. Only one module's parameters exist in full at a time: peak memory is this
 rank's shards plus one module. Every parameter and buffer must be written by one of the steps; one that is
-not raises, naming it, instead of training on uninitialised memory.
+not raises, naming it, instead of training on uninitialised memory. A write counts however it is made: in place
+(``nn.init.normal_(m.weight)``), through ``.data`` (``m.weight.data.normal_()``, which no version counter of the
+parameter sees: ``_Watched``), by assigning ``.data`` or by replacing the parameter with one of its shape.
 """
 from __future__ import annotations
 
@@ -105,7 +107,9 @@ def _open(module: nn.Module, where: dict, device: torch.device, dtypes: dict[int
         else:
             tensor = torch.empty(master.shape, dtype=dtype, device=device)
         full[name] = (id(master), tensor)
-        module._parameters[name] = nn.Parameter(tensor, requires_grad=master.requires_grad)
+        param = nn.Parameter(tensor, requires_grad=master.requires_grad)
+        param.__class__ = _Watched
+        module._parameters[name] = param
     return full
 
 
@@ -113,7 +117,7 @@ def _close(module: nn.Module, full: dict, where: dict, written: dict, versions: 
     """Cut the written full tensors into the masters' shards (rank 0's values) and put the masters back."""
     for name, (key, tensor) in full.items():
         group, index = where[key]
-        changed = tensor._version != versions[name]
+        changed = _take_writes(module, name, tensor) or tensor._version != versions[name]
         if keep(name) and changed:
             if broadcast and dist.is_initialized():
                 dist.broadcast(tensor, src=0)
@@ -121,6 +125,42 @@ def _close(module: nn.Module, full: dict, where: dict, written: dict, versions: 
             written[key] = True
         module._parameters[name] = group.masters[index]
     _note_buffer_writes(module)
+
+
+class _Watched(nn.Parameter):
+    """A parameter opened for ``reset_parameters()`` / ``init``: notices writes through ``.data``.
+
+    ``param.data`` is an alias with a version counter of its own, so ``module.weight.data.normal_()`` (older
+    ``transformers`` ``_init_weights``, many model repos) moves no counter of ``param``; each alias handed out
+    is kept and its counter read at close. Assigning ``.data`` (or replacing the parameter) is a write too."""
+
+    @property
+    def data(self):
+        alias = torch._C.TensorBase.data.__get__(self)
+        self.__dict__.setdefault("_ts_aliases", []).append(alias)
+        return alias
+
+    @data.setter
+    def data(self, value):
+        torch._C.TensorBase.data.__set__(self, value)      # seen at close: the storage is no longer ours
+
+
+def _take_writes(module: nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    """Whether ``init``/``reset_parameters()`` wrote ``module.<name>`` in a way ``tensor``'s own version
+    counter misses (through ``.data``, by assigning ``.data``, by replacing the parameter); a new value is
+    copied into ``tensor``, which the caller cuts into the shards."""
+    current = module._parameters.get(name)
+    aliases = current.__dict__.get("_ts_aliases", ()) if current is not None else ()
+    through_data = any(alias._version for alias in aliases)
+    if current is not None and current.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+        return through_data
+    if current is None or tuple(current.shape) != tuple(tensor.shape):
+        what = "None" if current is None else f"a tensor of shape {tuple(current.shape)}"
+        raise ValueError(f"{type(module).__name__}.{name}: the initialisation set it to {what}, but the model's "
+                         f"parameter has shape {tuple(tensor.shape)}: write it in place (e.g. "
+                         f"`module.{name}.data.normal_()` or `nn.init.normal_(module.{name})`) instead")
+    tensor.copy_(current.detach())
+    return True
 
 
 def _note_buffer_writes(module: nn.Module) -> None:

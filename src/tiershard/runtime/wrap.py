@@ -25,29 +25,42 @@ def _matcher(wrap: WrapPolicy) -> Callable[[nn.Module], bool]:
     if callable(wrap) and not isinstance(wrap, type):
         return wrap
     items = (wrap,) if isinstance(wrap, (type, str)) else tuple(wrap)
-    if not items or not all(isinstance(c, (type, str)) for c in items):
+    if not all(isinstance(c, (type, str)) for c in items):
         raise TypeError(f"wrap must be module classes, class names or a predicate, got {wrap!r}")
     classes = tuple(c for c in items if isinstance(c, type))
     names = {c for c in items if isinstance(c, str)}
     return lambda m: isinstance(m, classes) or type(m).__name__ in names
 
 
+def default_wrap(model: nn.Module) -> WrapPolicy:
+    """What ``wrap=None`` cuts at: a ``transformers`` model's ``_no_split_modules`` (its repeated blocks, what
+    accelerate's FSDP wraps by default; through a PEFT wrapper too), else nothing (one unit)."""
+    names = getattr(model, "_no_split_modules", None)
+    if isinstance(names, (list, tuple, set, frozenset)) and names and all(isinstance(n, str) for n in names):
+        return set(names)
+    return None
+
+
 def find_units(model: nn.Module, wrap: WrapPolicy) -> list[UnitSpec]:
     """Every module matching ``wrap`` is a unit, the root takes the rest; order is ``named_modules`` order.
 
+    ``wrap=None`` is ``default_wrap(model)``; an empty collection (``wrap=()``) makes the whole model one unit.
+    Both ``ts.shard`` and the cost model (``ModelSpec.from_module``) cut through here, so they count alike.
     A parameter used by several modules (tied weights) belongs to the innermost unit that contains all its uses,
     so that unit is gathered whenever any use runs.
     """
-    match = _matcher(wrap)
+    given = wrap
+    match = _matcher(default_wrap(model) if wrap is None else wrap)
     units = [UnitSpec("", model)]
     for path, module in model.named_modules():
         if path and match(module):
             units.append(UnitSpec(path, module))
-    if wrap is not None and len(units) == 1:
+    empty = isinstance(given, (list, tuple, set, frozenset)) and not given
+    if given is not None and not empty and len(units) == 1:
         kinds = sorted({type(m).__name__ for _, m in model.named_modules()})
         raise ValueError(f"wrap={wrap!r} matches no submodule of {type(model).__name__}, so the whole model would "
                          f"be one unit: name the repeated block (module classes here: {', '.join(kinds[:12])}"
-                         f"{' ...' if len(kinds) > 12 else ''}), or pass wrap=None for one unit on purpose")
+                         f"{' ...' if len(kinds) > 12 else ''}), or pass wrap=() for one unit on purpose")
     unit_paths = [u.path for u in units]
 
     def owner(path: str) -> int:
