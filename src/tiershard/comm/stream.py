@@ -1,4 +1,4 @@
-"""A communication stream: the engine's collectives, run in issue order on one background thread.
+"""A communication stream: the engine's collectives, run in issue order (on CPUs, on one background thread).
 
 [Note: one ordered stream] Every rank must issue the collectives of a process group in the same order. The
 engine submits all of its collectives to one FIFO, run by one thread per topology, so their order is the order
@@ -8,11 +8,16 @@ needs the result: a prefetched unit's weights, or every reduction at the end of 
 runs on the main thread drains the stream first. The engine's process groups are its own (``Topology``), so
 the user's collectives never interleave with them.
 
-On CUDA the thread waits for the work submitted before it (an event recorded on the submitting stream), runs
-on a stream of its own, and finishes with a host sync of that stream: the main thread never blocks on the
-device, and a buffer handed back is complete. A buffer the thread allocates and the main stream goes on using
-(a gathered unit, the gradients it writes) is marked with ``hand_over``, so the caching allocator does not give
-its memory back to the communication stream while the main stream's kernels may still read it.
+[Note: one issuing thread on CUDA] NCCL forbids issuing operations on one device from two host threads at once,
+and the main thread issues the user's own collectives (a loss all-reduce, SyncBatchNorm, tensor-parallel layers).
+So on CUDA no thread of ours issues anything: each job runs on the submitting thread at submission, on a CUDA
+stream of its own that first waits for everything queued on the submitting stream. The device runs the
+collectives behind compute, the host never waits, and the main stream waits for a job's work (an event recorded
+after it) only when it takes the job's result or drains, as FSDP2 does with its all-gather and reduce-scatter
+streams. On CPUs a gloo collective blocks the thread that calls it, so there the jobs run on one background
+thread (torch and gloo release the GIL). A buffer a job allocates and the main stream goes on using (a gathered
+unit, the gradients it writes) is marked with ``hand_over``, so the caching allocator does not give its memory
+back to the communication stream while the main stream's kernels may still read it.
 ``inline=True`` runs everything on the caller's thread at submission: the synchronous schedule, the reference
 the overlapped one must match bit for bit.
 
@@ -57,14 +62,18 @@ class _Job(Future):
     """A job's future that remembers whether its failure has reached a caller ([Note: no failure is dropped])."""
 
     seen = False
+    done_event = None     # CUDA: recorded on the communication stream after the job's work
 
     def result(self, timeout: float | None = None) -> Any:
         try:
-            return super().result(timeout)
+            value = super().result(timeout)
         except BaseException:
             if self.done():
                 self.seen = True
             raise
+        if self.done_event is not None:     # the caller's stream waits for the job's work on the device
+            torch.cuda.current_stream().wait_event(self.done_event)
+        return value
 
 
 class CommStream:
@@ -72,10 +81,13 @@ class CommStream:
 
     def __init__(self, device: torch.device, inline: bool = False):
         self.device, self.inline = device, inline
-        self._pool = None if inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiershard-comm")
         self._cuda = torch.cuda.Stream(device) if device.type == "cuda" and not inline else None
+        # [Note: one issuing thread on CUDA]: a thread of ours only where collectives block the host
+        self._pool = (None if inline or self._cuda is not None
+                      else ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiershard-comm"))
         self._consumer = torch.cuda.current_stream(device) if self._cuda is not None else None
         self._pending: list[_Job] = []
+        self._queued = False          # CUDA: work queued on the communication stream since the last drain
         self._broken: CollectiveError | None = None    # the first collective that failed: nothing runs after it
 
     def submit(self, fn: Callable[..., Any], *args: Any, unit: str | None = None) -> Future:
@@ -83,14 +95,10 @@ class CommStream:
         error of a collective that fails in it. Raises first a failure of an earlier job nobody has seen."""
         self._raise_unseen()
         job = _Job()
-        if self.inline:
-            self._execute(job, fn, args, None, unit)      # surfaces at result(), as on the thread
+        if self._pool is None:
+            self._execute(job, fn, args, unit)      # a failure surfaces at result(), as on the thread
         else:
-            ready = None
-            if self._cuda is not None:
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(self.device))
-            self._pool.submit(self._execute, job, fn, args, ready, unit)
+            self._pool.submit(self._execute, job, fn, args, unit)
         self._pending.append(job)
         return job
 
@@ -101,13 +109,13 @@ class CommStream:
         if failed is not None:
             failed.result()
 
-    def _execute(self, job: _Job, fn: Callable[..., Any], args: tuple, ready, unit: str | None) -> None:
+    def _execute(self, job: _Job, fn: Callable[..., Any], args: tuple, unit: str | None) -> None:
         if self._broken is not None:
             job.set_exception(self._broken)
             return
         try:
             with unit_scope(unit):
-                result = self._run(fn, args, ready)
+                result = self._run(job, fn, args)
         except BaseException as err:
             if isinstance(err, CollectiveError) and self._broken is None:
                 self._broken = err
@@ -115,15 +123,15 @@ class CommStream:
         else:
             job.set_result(result)
 
-    def _run(self, fn: Callable[..., Any], args: tuple, ready) -> Any:
+    def _run(self, job: _Job, fn: Callable[..., Any], args: tuple) -> Any:
         with torch.no_grad():
             if self._cuda is None:
                 return fn(*args)
-            torch.cuda.set_device(self.device)
-            self._cuda.wait_event(ready)
+            self._cuda.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._cuda):
                 result = fn(*args)
-            self._cuda.synchronize()
+            job.done_event = self._cuda.record_event()
+            self._queued = True
             return result
 
     def hand_over(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -140,6 +148,9 @@ class CommStream:
         """Wait for everything submitted; raise the first failure no caller has seen yet."""
         pending, self._pending = self._pending, []
         wait(pending)
+        if self._queued:                 # the caller's stream waits for everything queued on the device
+            torch.cuda.current_stream(self.device).wait_stream(self._cuda)
+            self._queued = False
         for job in pending:
             if not job.seen and job.exception() is not None:
                 job.result()

@@ -1,0 +1,77 @@
+"""[Note: one issuing thread on CUDA]: on CUDA the stream queues each collective from the submitting thread, on a
+side stream that waits for the submitting stream's work, and the caller's stream waits for a job's event only when
+it takes the result or drains; on CPUs the jobs run on one background thread.
+
+No GPU is needed: torch.cuda's streams and events are replaced by recorders, so the test sees which host thread
+ran each job and which waits were queued. (Before, CUDA jobs ran on the background thread as on CPUs, so a
+collective of ours could be issued while the main thread issued the user's own: NCCL forbids that.)
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+from tiershard.comm.stream import CommStream
+
+
+class _Recorder:
+    """A CUDA stream or event that logs what is asked of it."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event):
+        self.log.append(("wait_event", self.name, event.name))
+
+    def record_event(self, event=None):
+        self.log.append(("record_event", self.name))
+        return _Recorder(f"event after {self.name}", self.log)
+
+    def record(self, stream=None):
+        self.log.append(("record", self.name))
+
+    def synchronize(self):
+        self.log.append(("synchronize", self.name))
+
+
+def test_cuda_jobs_are_issued_from_the_submitting_thread(monkeypatch):
+    log: list = []
+    main = _Recorder("main", log)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Recorder("comm", log))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: _Recorder("event", log))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    stream = CommStream(torch.device("cuda", 0))
+    caller = threading.get_ident()
+
+    def collective(tag):
+        log.append(("issue", tag, threading.get_ident() == caller))
+        return tag
+
+    first = stream.submit(collective, "all_gather")
+    assert first.result() == "all_gather"
+    stream.submit(collective, "reduce_scatter")
+    stream.drain()
+    stream.drain()                      # nothing queued since: no second wait
+    assert log == [
+        ("wait_stream", "comm", "main"), ("issue", "all_gather", True), ("record_event", "comm"),
+        ("wait_event", "main", "event after comm"),
+        ("wait_stream", "comm", "main"), ("issue", "reduce_scatter", True), ("record_event", "comm"),
+        ("wait_stream", "main", "comm"),
+    ]
+
+
+def test_cpu_jobs_run_in_order_on_one_background_thread():
+    stream = CommStream(torch.device("cpu"))
+    caller, seen = threading.get_ident(), []
+    for i in range(5):
+        stream.submit(lambda i=i: seen.append((i, threading.get_ident())))
+    stream.drain()
+    assert [i for i, _ in seen] == list(range(5))
+    assert len({t for _, t in seen}) == 1 and seen[0][1] != caller
