@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import socket
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Sequence
@@ -25,6 +28,7 @@ import torch.distributed as dist
 DEFAULT_NAMES = {1: ("world",), 2: ("node", "world"), 3: ("pair", "node", "world")}
 TIMEOUT_ENV = "TIERSHARD_COLLECTIVE_TIMEOUT"
 DEFAULT_TIMEOUT = 60.0      # seconds: how long a rank waits for the others in one of the engine's collectives
+HOST_ENV = "TIERSHARD_HOST_ID"
 
 
 class TopologyError(ValueError):
@@ -79,6 +83,89 @@ def collective_timeout(timeout: float | None = None) -> float:
     return float(timeout)
 
 
+def host_identity() -> str:
+    """Which host this process runs on, for checking the node tier: ``TIERSHARD_HOST_ID`` if set, else the
+    hostname plus the inode of its network namespace, so that ranks in separate network namespaces of one
+    machine (the emulated cluster's nodes, containers), whose traffic crosses a network, count as separate hosts."""
+    override = os.environ.get(HOST_ENV, "").strip()
+    if override:
+        return override
+    name = socket.gethostname()
+    try:
+        return f"{name}/net:{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:         # no /proc (not Linux): the hostname alone
+        return name
+
+
+def _env_int(name: str) -> int | None:
+    """An integer environment variable, None when unset or empty."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise TopologyError(f"{name}={text!r} is not a whole number: fix or unset it (the launcher sets it to a "
+                            "count of ranks)") from None
+
+
+def _slurm_counts(name: str) -> list[int] | None:
+    """Slurm's per-node task counts, "4(x2),3" -> [4, 4, 3]; None when unset or empty."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    counts = []
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*(?:\(x(\d+)\))?\s*", part)
+        if match is None:
+            raise TopologyError(f"{name}={text!r} is not Slurm's list of tasks per node (like '4' or '4(x2),3'): "
+                                "fix or unset it")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def _ranks_per_node_from_env(world: int, note: str) -> int:
+    """Ranks per node: LOCAL_WORLD_SIZE (torchrun, Ray Train, the emulated cluster), else Slurm's counts when Slurm
+    itself started every rank (SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE, SLURM_NTASKS / SLURM_NNODES)."""
+    fix = (f"declare it: Topology((ranks_per_node, {world})) in the script, or TIERSHARD_TOPOLOGY=ranks_per_node,"
+           f"{world} in the environment (docs/launchers.md)")
+    local = _env_int("LOCAL_WORLD_SIZE")
+    if local is not None:
+        if local < 1 or world % local:
+            raise TopologyError(f"LOCAL_WORLD_SIZE={local} does not divide the world of {world} ranks{note}: every "
+                                f"node must run the same number of ranks; {fix}")
+        return local
+    if world == 1:          # one process (python in an sbatch script too, whatever Slurm allocated)
+        return 1
+    tasks = _env_int("SLURM_NTASKS") or _env_int("SLURM_NPROCS")
+    nodes = _env_int("SLURM_NNODES") or _env_int("SLURM_JOB_NUM_NODES")
+    for name in ("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        counts = _slurm_counts(name)
+        if counts is None:
+            continue
+        total = tasks if tasks is not None else (sum(counts) if len(counts) > 1 or nodes is None
+                                                 else counts[0] * nodes)
+        if total != world:
+            raise TopologyError(f"Slurm runs {total} tasks but the world has {world} ranks{note}, so {name} does not "
+                                "count its ranks (a launcher inside srun, such as torchrun, sets LOCAL_WORLD_SIZE): "
+                                f"{fix}")
+        if len(set(counts)) > 1:
+            raise TopologyError(f"{name}={os.environ[name]!r}: tiers need the same number of ranks on every node; "
+                                "ask Slurm for --ntasks-per-node, or " + fix)
+        return counts[0]
+    if tasks is not None and nodes is not None:
+        if tasks != world:
+            raise TopologyError(f"Slurm runs SLURM_NTASKS={tasks} tasks but the world has {world} ranks{note}: {fix}")
+        if nodes < 1 or tasks % nodes:
+            raise TopologyError(f"SLURM_NTASKS={tasks} ranks on SLURM_NNODES={nodes} nodes is not the same number "
+                                "on every node: ask Slurm for --ntasks-per-node, or " + fix)
+        return tasks // nodes
+    raise TopologyError(
+        f"nothing in the environment says how many of the {world} ranks share a node{note}: looked for "
+        "LOCAL_WORLD_SIZE (torchrun, Ray Train), SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE and SLURM_NTASKS with "
+        f"SLURM_NNODES (srun); {fix}")
+
+
 class Topology:
     """Nested tiers of ranks; owns the process groups of every tier and cross-tier set, made once.
 
@@ -117,7 +204,14 @@ class Topology:
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_env(cls, names: Sequence[str] | None = None, timeout: float | None = None) -> "Topology":
-        """Tiers from the launcher: ``TIERSHARD_TOPOLOGY`` ("2,8,64") if set, else (LOCAL_WORLD_SIZE, WORLD_SIZE)."""
+        """Tiers from the launcher: ``TIERSHARD_TOPOLOGY`` ("2,8,64") if set, else (ranks per node, world).
+
+        The world is the initialised process group's size (collectives run on it), else ``WORLD_SIZE`` (torchrun,
+        Ray Train, PyTorchJob), else ``SLURM_NTASKS`` (srun); a ``WORLD_SIZE`` that disagrees with the process
+        group (Kubeflow's older PyTorchJob counts pods) gives a warning naming both. Ranks per node come from
+        ``LOCAL_WORLD_SIZE``, else Slurm's counts when Slurm started every rank; when nothing says, a
+        ``TopologyError`` names the variables looked for and the fix (docs/launchers.md).
+        """
         spec = os.environ.get("TIERSHARD_TOPOLOGY")
         if spec:
             try:
@@ -125,9 +219,27 @@ class Topology:
             except ValueError:
                 raise TopologyError(f"TIERSHARD_TOPOLOGY={spec!r} is not a list of sizes like '2,8,64'") from None
             return cls(sizes, names, timeout)
-        world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        return cls((local, world), names, timeout)
+        env_world = _env_int("WORLD_SIZE")
+        if env_world is not None and env_world < 1:
+            raise TopologyError(f"WORLD_SIZE={env_world} is not a world size: the launcher sets it to the number of "
+                                "ranks; fix or unset it")
+        note = ""
+        if dist.is_initialized():
+            world = dist.get_world_size()
+            if env_world is not None and env_world != world:
+                note = (f" (WORLD_SIZE={env_world} but the process group has {world} ranks; Kubeflow's older "
+                        "PyTorchJob sets WORLD_SIZE to the number of pods)")
+                warnings.warn(f"WORLD_SIZE={env_world} but the process group has {world} ranks: using {world}, the "
+                              "ranks the collectives run on (Kubeflow's older PyTorchJob sets WORLD_SIZE to the "
+                              "number of pods, not of processes)", stacklevel=2)
+        elif env_world is not None:
+            world = env_world
+        else:       # srun starting every rank, else one process
+            world = _env_int("SLURM_NTASKS") or _env_int("SLURM_NPROCS") or 1
+            if world == 1 and (_env_int("LOCAL_WORLD_SIZE") or 1) > 1:
+                raise TopologyError("LOCAL_WORLD_SIZE is set but neither WORLD_SIZE nor a process group says the "
+                                    "world size: call dist.init_process_group() first, or set WORLD_SIZE")
+        return cls((_ranks_per_node_from_env(world, note), world), names, timeout)
 
     def __repr__(self) -> str:
         return f"Topology({self.sizes}, names={self.names})"
@@ -285,10 +397,20 @@ class Topology:
                 "torch.distributed is not initialised: call torch.distributed.init_process_group() "
                 "(torchrun sets the environment) before ts.shard")
         world = dist.get_world_size()
+        # every rank reaches the same verdict: each judges the same gathered list ([Note: hosts at shard])
+        declared: list = [None] * world
+        dist.all_gather_object(declared, (self.sizes, self.names, host_identity()))
+        for rank, (sizes, names, _) in enumerate(declared):
+            if (sizes, names) != declared[0][:2]:
+                raise TopologyError(
+                    f"rank 0 declares Topology({declared[0][0]}, names={declared[0][1]}) but rank {rank} declares "
+                    f"Topology({sizes}, names={names}): every rank must pass the same topology (ranks that read "
+                    "different LOCAL_WORLD_SIZE values give this): declare it, e.g. TIERSHARD_TOPOLOGY=8,64")
         if world != self.world_size:
             raise TopologyError(
                 f"{self} covers {self.world_size} ranks but the world has {world}: "
                 f"make the last tier size {world}, e.g. Topology((ranks_per_node, {world}))")
+        self.check_hosts([host for _, _, host in declared])
         me = dist.get_rank()
         # gloo and NCCL apply a group's timeout to each of its operations; the report window comes on top
         bound = timedelta(seconds=self.timeout - self.report_window)
@@ -315,6 +437,63 @@ class Topology:
         self._mesh = self._make_mesh(device_type)
         self._initialised = True
 
+    def node_level(self) -> int | None:
+        """The level whose groups must each sit on one host: the tier named ``node``, else the tier below world
+        (``node`` under the default names); None for a single tier, which assumes nothing about nodes."""
+        if "node" in self.names:
+            return self.names.index("node") + 1
+        return len(self.sizes) - 1 if len(self.sizes) > 1 else None
+
+    def check_hosts(self, hosts: Sequence[str]) -> None:
+        """Raise ``TopologyError`` unless every node-tier group runs on one host (``hosts[r]``: rank r's
+        ``host_identity()``).
+
+        [Note: hosts at shard] The engine keeps the collectives of node-tier groups (and every tier inside them)
+        inside a node and counts their bytes as intra-node; a group spanning two hosts would silently send them
+        over the network. One host holding several node groups is allowed: that is how nodes are emulated on one
+        machine (the test suite runs Topology((2, 4)) on 4 loopback ranks). ``init_process_groups`` (so
+        ``ts.shard``) calls this with the hosts all-gathered over the default group.
+        """
+        level = self.node_level()
+        if level is None:
+            return
+        if len(hosts) != self.world_size:
+            raise TopologyError(f"{len(hosts)} host names for the {self.world_size} ranks of {self}")
+        size, tier = self.level_size(level), self.level_name(level)
+        problems = []
+        for start in range(0, self.world_size, size):
+            members = list(hosts[start:start + size])
+            if len(set(members)) > 1:
+                runs = _runs(members, start)
+                shown = ", ".join(f"{_span(a, b)} on {h!r}" for a, b, h in runs[:6]) + (", ..." if len(runs) > 6
+                                                                                          else "")
+                problems.append(f"{tier} group of ranks {start}-{start + size - 1} spans {len(set(members))} hosts: "
+                                f"{shown}")
+        if not problems:
+            return
+        runs = _runs(list(hosts), 0)
+        lengths = [b - a + 1 for a, b, _ in runs]
+        contiguous = len({h for _, _, h in runs}) == len(runs)
+        per_host = lengths[0] if contiguous and len(set(lengths)) == 1 else None
+        if contiguous and per_host is None:
+            hint = (f"the hosts run different numbers of ranks ({', '.join(map(str, lengths[:8]))}"
+                    f"{', ...' if len(lengths) > 8 else ''}): tiers need the same number on every node")
+        elif per_host is not None:
+            sizes = (*self.sizes[:level - 1], per_host, *self.sizes[level:])
+            try:
+                hint = f"the ranks run {per_host} per host, node by node: declare Topology({Topology(sizes).sizes})"
+            except TopologyError:
+                hint = f"the ranks run {per_host} per host, node by node"
+        else:
+            hint = ("the ranks are not placed node by node (rank r on node r // ranks_per_node): torchrun places "
+                    "them so; under srun use --distribution=block")
+        raise TopologyError(
+            f"{self} does not match where the ranks run: {'; '.join(problems[:4])}"
+            f"{'; ...' if len(problems) > 4 else ''}. Collectives assumed inside a node would cross the network; "
+            f"{hint}. Fix: Topology((ranks_per_node, world)) or TIERSHARD_TOPOLOGY with the real ranks per node "
+            f"(docs/launchers.md). Hosts are hostname plus network namespace: give containers of one machine one "
+            f"{HOST_ENV} if their ranks should count as one node")
+
     def _make_mesh(self, device_type: str):
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -323,3 +502,18 @@ class Topology:
     @property
     def rank(self) -> int:
         return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _runs(hosts: list, start: int) -> list[tuple[int, int, str]]:
+    """Consecutive ranks on one host as (first, last, host), ranks numbered from ``start``."""
+    runs: list[tuple[int, int, str]] = []
+    for offset, host in enumerate(hosts):
+        if runs and runs[-1][2] == host:
+            runs[-1] = (runs[-1][0], start + offset, host)
+        else:
+            runs.append((start + offset, start + offset, host))
+    return runs
+
+
+def _span(first: int, last: int) -> str:
+    return f"rank {first}" if first == last else f"ranks {first}-{last}"
