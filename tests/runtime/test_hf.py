@@ -169,14 +169,14 @@ def _meta(rank, world, topo, out):
         with torch.no_grad():
             same = torch.allclose(model(input_ids=x).logits, eager(input_ids=x).logits, atol=1e-6, rtol=1e-5)
         out[("meta", kind)] = same
-    # init without reset_parameters or init= fails loudly, naming the parameter
+    # init without reset_parameters or init=, and no load: the first forward fails loudly, naming the parameter
     with torch.device("meta"):
         bad = nn.Sequential(nn.Linear(4, 4))
         bad.register_parameter("gain", nn.Parameter(torch.ones(4)))
     try:
-        ts.shard(bad, "GGG", topo)
+        ts.shard(bad, "GGG", topo)(torch.ones(1, 4))
         out[("meta", "error")] = "no error"
-    except ValueError as err:
+    except RuntimeError as err:
         out[("meta", "error")] = str(err)
 
 

@@ -53,8 +53,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
 from ..comm.failure import guard
 
@@ -302,6 +302,9 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     checkpoint folder.
     """
     engine = _engine(model)
+    from ..runtime.api import _check_loaded
+
+    _check_loaded(model, "ts.save")               # a meta-built model still waiting for its weights has none to save
     group = engine.topology.control_group.pg      # bounded by the topology's timeout, not the default group's
     rank, world = _rank_world()
     path = Path(path).absolute()
@@ -419,10 +422,16 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         if isinstance(inner, CheckpointError):
             raise CheckpointError(str(inner)) from None
         raise CheckpointError(f"checkpoint {path} does not fit this model: {_first_failure(err)}") from None
+    model_state, options = state["model"], None
+    if not strict:    # what the checkpoint lacks is not loaded: it keeps its value, and a parameter of a meta-built
+        saved = reader.metadata.state_dict_metadata      # model that waits for a load goes on waiting
+        model_state = {k: v for k, v in model_state.items() if f"model.{k}" in saved}
+        options = StateDictOptions(strict=False)
     if optimizer is None:
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, model_state, options=options)
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=state["optim"],
+                       options=options)
     for group in engine.groups():
         group.sync_params()
     return extra

@@ -22,7 +22,7 @@ from ..topology import Topology, TopologyError
 from .engine import Engine, Unit
 from .flat import FlatGroup
 from .layout import ParamLayout, finest_chunks
-from .materialize import InitFn, materialize
+from .materialize import InitFn, Unloaded, materialize, tie_empty_weights
 from .wrap import WrapPolicy, find_units
 
 __all__ = ["shard", "no_sync", "clip_grad_norm_", "full_state_dict", "load_full_state_dict", "memory_stats"]
@@ -60,7 +60,10 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
     A model built under ``torch.device("meta")`` is materialised shard by shard on ``device`` (default: the
     current CUDA device under NCCL, else the CPU): each module's ``reset_parameters()`` and then ``init(module)``
     (children first, as ``model.apply``) replay eager initialisation one module at a time ([Note: meta init
-    replay]); load pretrained weights afterwards with ``ts.load_full_state_dict`` or ``ts.load``.
+    replay]); load pretrained weights afterwards with ``ts.load_full_state_dict`` or ``ts.load``. So is one built
+    under accelerate's ``init_empty_weights()`` (parameters on meta, buffers real: they keep their values). A
+    parameter that nothing initialises must be loaded before the first forward ([Note: parameters waiting for a
+    load]).
     """
     if not dist.is_initialized():
         raise TopologyError("torch.distributed is not initialised: call torch.distributed.init_process_group() "
@@ -70,6 +73,7 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
     if isinstance(plan, str):
         plan = Plan.parse(plan)
     placement = plan.resolve(topology)
+    tie_empty_weights(model)
     specs = find_units(model, wrap)
     params = [entry for spec in specs for entry in spec.params]
     device, meta = _target_device(model, device)
@@ -109,7 +113,9 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
         unit.release()          # the module shows the masters from now on
         engine.units.append(unit)
     if meta:
-        materialize(model, engine, device, dtypes, init)
+        unloaded = materialize(model, engine, device, dtypes, init)
+        if unloaded:
+            model._tiershard_unloaded = Unloaded(engine, unloaded)
         _broadcast_buffers(model)
         for group in engine.groups():
             group.sync_params()
@@ -143,7 +149,9 @@ def _guard_load_state_dict(model: nn.Module) -> None:
         names = {name for _, _, layout in layouts for name in layout.names}
         kinds = {isinstance(v, DTensor) for k, v in state_dict.items() if k in names}
         if False not in kinds:           # DTensors, or no parameter at all: torch's own path
-            return load(state_dict, strict=strict, assign=assign)
+            result = load(state_dict, strict=strict, assign=assign)
+            _loaded(model, names=state_dict.keys())
+            return result
         if True in kinds:
             raise ValueError("this state dict mixes DTensor shards and full tensors for the parameters: load one "
                              "kind (model.state_dict() gives DTensors, ts.full_state_dict(model) full tensors)")
@@ -275,17 +283,23 @@ def _refuse_replaced_params(optimizer: torch.optim.Optimizer, args, kwargs) -> N
 
 def _target_device(model: nn.Module, device: torch.device | str | None) -> tuple[torch.device, bool]:
     """Where the shards go, and whether the model is on the meta device (to be materialised there)."""
-    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
-    if len(devices) != 1:
-        raise ValueError(f"the model's tensors are on several devices ({sorted(map(str, devices))}): move it to "
-                         "one device (model.to('cuda') or model.to('cpu')), or build it all under "
-                         "torch.device('meta'), before ts.shard")
-    own = devices.pop()
-    if own.type != "meta":
+    params = {p.device for p in model.parameters()}
+    if "meta" in {d.type for d in params} and len(params) > 1:
+        raise ValueError(f"the model's parameters are on several devices ({sorted(map(str, params))}), some on the "
+                         "meta device: build every parameter under torch.device('meta') or accelerate's "
+                         "init_empty_weights() (ts.shard materialises them), or none (move the model to one device)")
+    devices = params | {b.device for b in model.buffers()}
+    if {d.type for d in params or devices} != {"meta"}:
+        if len(devices) != 1:
+            raise ValueError(f"the model's tensors are on several devices ({sorted(map(str, devices))}): move it to "
+                             "one device (model.to('cuda') or model.to('cpu')), or build its parameters under "
+                             "torch.device('meta') or accelerate's init_empty_weights(), before ts.shard")
+        own = devices.pop()
         if device is not None and torch.device(device) != own:
             raise ValueError(f"the model is on {own} but device={device}: move the model, or build it on the "
                              "meta device to have it materialised there")
         return own, False
+    # parameters on meta; buffers may be real (init_empty_weights): they keep their values, moved to the device
     if device is None:
         cuda = dist.get_backend() == "nccl" and torch.cuda.is_available()
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -380,6 +394,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False, cpu_offload: boo
     What ``model.save_pretrained(out, state_dict=...)`` takes (on rank 0).
     """
     engine = _engine(model)
+    _check_loaded(model, "ts.full_state_dict")
     out: dict[str, torch.Tensor] = {}
     keep = not rank0_only or dist.get_rank() == 0
     for group in engine.groups():
@@ -433,6 +448,7 @@ def _write_full(model: nn.Module, engine: Engine, layouts: list, state: Mapping[
         name = next((n for n in layout.names if n in state), None)
         if name is not None:
             group.load_full(index, state[name].to(device=engine.device, dtype=torch.float32))
+            _loaded(model, group=group, index=index)
             if group not in touched:
                 touched.append(group)
     for group in touched:
@@ -440,6 +456,21 @@ def _write_full(model: nn.Module, engine: Engine, layouts: list, state: Mapping[
     for name, buf in _persistent_buffers(model):
         if name in state:
             buf.copy_(state[name])
+
+
+def _loaded(model: nn.Module, group: FlatGroup | None = None, index: int = 0, names=()) -> None:
+    """A load reached these parameters: they no longer wait for one ([Note: parameters waiting for a load])."""
+    unloaded = getattr(model, "_tiershard_unloaded", None)
+    if unloaded is not None:
+        if group is not None:
+            unloaded.loaded(group, index)
+        unloaded.loaded_names(names)
+
+
+def _check_loaded(model: nn.Module, what: str) -> None:
+    unloaded = getattr(model, "_tiershard_unloaded", None)
+    if unloaded is not None:
+        unloaded.check(what)
 
 
 def _persistent_buffers(model: nn.Module):

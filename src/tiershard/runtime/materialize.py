@@ -15,13 +15,24 @@ the same. A parameter tied to an earlier module's (an LM head to the embedding) 
 its draws happen and are discarded, as eager construction discards the head's own weight when it is tied.
 The last step's values are taken from rank 0 (one broadcast per module), as the eager path does, so ranks
 seeded differently still agree. Only one module's parameters exist in full at a time: peak memory is this
-rank's shards plus one module. Every parameter and buffer must be written by one of the steps; one that is
-not raises, naming it, instead of training on uninitialised memory. A write counts however it is made: in place
+rank's shards plus one module. A buffer on the meta device must be written by one of the steps, or ``ts.shard``
+raises naming it; a real buffer (accelerate's ``init_empty_weights()`` leaves buffers real: Llama's rotary
+``inv_freq``) keeps its values and moves to the target device. A parameter no step writes waits for a load
+([Note: parameters waiting for a load]). A write counts however it is made: in place
 (``nn.init.normal_(m.weight)``), through ``.data`` (``m.weight.data.normal_()``, which no version counter of the
 parameter sees: ``_Watched``), by assigning ``.data`` or by replacing the parameter with one of its shape.
+
+[Note: parameters waiting for a load] Without ``init=`` the replay still runs every ``reset_parameters()``: that
+is what eager torch construction does, so a torch-style model gets its eager weights from the seed, as it would
+unsharded, and a model whose weights are loaded next gets them from the load, which overwrites them. What no step
+writes (a ``transformers`` RMSNorm's or Conv1D's weight without ``init=``, a bare ``nn.Parameter``) is not
+initialised: it waits for a load (``ts.load_full_state_dict``, ``model.load_state_dict`` of full tensors or of
+DTensors, ``ts.load``), and the first forward (or ``ts.full_state_dict``) while one still waits raises, naming it
+and the fix, rather than computing with the uninitialised memory of its shard.
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable, Iterator
 
 import torch
@@ -29,8 +40,26 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .engine import Engine
+from .flat import FlatGroup
 
 InitFn = Callable[[nn.Module], None]
+
+
+def tie_empty_weights(model: nn.Module) -> None:
+    """Tie a meta-built ``transformers`` model's weights as its config says, as ``from_pretrained`` does.
+
+    Under accelerate's ``init_empty_weights()`` every parameter assignment makes a new meta parameter, so the
+    tying of ``post_init`` does not hold (accelerate issue 3668): an LM head meant to be the embedding would be
+    loaded with the same values but then trained as a separate weight, unlike the model built on the CPU."""
+    if "transformers" not in sys.modules or not any(True for _ in model.parameters()):
+        return
+    if any(p.device.type != "meta" for p in model.parameters()):
+        return
+    from transformers import PreTrainedModel
+
+    inner = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    if inner is not None:
+        inner.tie_weights()
 
 
 def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
@@ -40,8 +69,9 @@ def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.M
 
 
 def materialize(model: nn.Module, engine: Engine, device: torch.device, dtypes: dict[int, torch.dtype],
-                init: InitFn | None) -> None:
-    """Replay the model's initialisation ([Note: meta init replay]) into the masters and real buffers."""
+                init: InitFn | None) -> list[tuple[FlatGroup, int]]:
+    """Replay the model's initialisation ([Note: meta init replay]) into the masters and real buffers; returns
+    the parameters no step wrote, as (group, index): they wait for a load ([Note: parameters waiting for a load])."""
     where = {}     # id(master) -> (group, index): where a parameter's shard lives
     for group in engine.groups():
         for index, master in enumerate(group.masters):
@@ -72,21 +102,21 @@ def materialize(model: nn.Module, engine: Engine, device: torch.device, dtypes: 
                 versions = {name: t._version for name, (_, t) in full.items()}
                 init(module)
                 _close(module, full, where, written, versions, keep=lambda name: True, broadcast=True)
-    missing = [group.layouts[index].name for key, (group, index) in where.items() if not written[key]]
-    if missing:
-        raise ValueError(f"parameters {missing[:5]} were not initialised on the meta device: their modules have no "
-                         "reset_parameters(); pass ts.shard(..., init=fn) with the model's own initialisation "
-                         "(e.g. init=model._init_weights for a transformers model)")
     unset = [f"{path}.{name}" if path else name for path, module in model.named_modules()
              for name, buf in module._buffers.items() if buf is not None and getattr(buf, "_ts_unset", False)]
     if unset:
         raise ValueError(f"buffers {unset[:5]} were not initialised on the meta device: give their modules a "
-                         "reset_parameters() or pass ts.shard(..., init=fn) that sets them")
+                         "reset_parameters() or pass ts.shard(..., init=fn) that sets them (e.g. "
+                         "init=model._init_weights for a transformers model), or build the model under accelerate's "
+                         "init_empty_weights(), which keeps buffers real")
+    return [(group, index) for key, (group, index) in where.items() if not written[key]]
 
 
 def _materialize_buffers(module: nn.Module, device: torch.device) -> None:
     for name, buf in module._buffers.items():
-        if buf is not None and buf.device.type == "meta":
+        if buf is not None and buf.device.type != "meta" and buf.device != device:
+            module._buffers[name] = buf.to(device)      # a real buffer (init_empty_weights): its values kept
+        elif buf is not None and buf.device.type == "meta":
             real = torch.empty_like(buf, device=device)
             real._ts_unset = True           # cleared by the first write (see _close)
             real._ts_version = real._version
@@ -167,3 +197,45 @@ def _note_buffer_writes(module: nn.Module) -> None:
     for buf in module._buffers.values():
         if buf is not None and getattr(buf, "_ts_unset", False) and buf._version != buf._ts_version:
             buf._ts_unset = False
+
+
+class Unloaded:
+    """The parameters of a meta-built model that no initialisation wrote and no load has reached yet ([Note:
+    parameters waiting for a load]): every unit's forward refuses to run while one is left."""
+
+    def __init__(self, engine: Engine, pending: list[tuple[FlatGroup, int]]):
+        self.pending = {(id(group), index): group.layouts[index] for group, index in pending}
+        self.handles = [unit.module.register_forward_pre_hook(self._before_forward, prepend=True)
+                        for unit in engine.units]
+
+    def loaded(self, group: FlatGroup, index: int) -> None:
+        self.pending.pop((id(group), index), None)
+        self._done_if_empty()
+
+    def loaded_names(self, names) -> None:
+        """Every waiting parameter one of whose names is in ``names`` (the keys a state dict loaded)."""
+        names = set(names)
+        for key, layout in list(self.pending.items()):
+            if names.intersection(layout.names):
+                del self.pending[key]
+        self._done_if_empty()
+
+    def _done_if_empty(self) -> None:
+        if not self.pending:
+            for handle in self.handles:
+                handle.remove()
+            self.handles = []
+
+    def check(self, what: str) -> None:
+        if self.pending:
+            names = [layout.name for layout in self.pending.values()]
+            more = f" (and {len(names) - 5} more)" if len(names) > 5 else ""
+            raise RuntimeError(f"{what} refused: parameters {names[:5]}{more} of this meta-built model were neither "
+                               "initialised (no reset_parameters() of their modules, no init= that writes them) "
+                               "nor loaded, so their shards hold uninitialised memory: load them "
+                               "(ts.load_full_state_dict(model, state), model.load_state_dict(state) or "
+                               "ts.load(path, model)), or pass ts.shard(..., init=fn) with the model's own "
+                               "initialisation (e.g. init=model._init_weights for a transformers model)")
+
+    def _before_forward(self, module: nn.Module, args) -> None:
+        self.check("forward")
