@@ -32,6 +32,8 @@ def add_parser(subparsers) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model")
     m.add_argument("--model", help=f"a name ({', '.join(MODELS)}) or a parameter count like 1.3e9 (default 7b)")
+    m.add_argument("--model-config", metavar="FILE", help="a Hugging Face config.json (llama, mistral, gpt2): the "
+                                                          "exact parameter count and units, without the weights")
     m.add_argument("--trainable", type=float, metavar="FRACTION", help="fraction of parameters trained (default 1)")
     m.add_argument("--layers", type=int)
     m.add_argument("--hidden", type=int)
@@ -119,6 +121,7 @@ def build(args: argparse.Namespace) -> tuple[ModelSpec, Cluster, Job]:
 
 def build_model(args: argparse.Namespace, table: dict) -> ModelSpec:
     table = dict(table)
+    from_table = [f"[model] {key}" for key in ("name", "params") if key in table]
     name = args.model or table.get("name") or table.get("params") or "7b"
     table.pop("name", None), table.pop("params", None)
     layers = args.layers or table.pop("layers", None)
@@ -127,6 +130,13 @@ def build_model(args: argparse.Namespace, table: dict) -> ModelSpec:
     fraction = args.trainable if args.trainable is not None else table.pop("trainable", None)
     if table:
         raise ValueError(f"unknown [model] keys: {', '.join(sorted(table))}")
+    if args.model_config:
+        given = [flag for flag, v in (("--model", args.model), ("--layers", layers), ("--hidden", hidden),
+                                      ("--vocab", vocab)) if v] + from_table
+        if given:
+            raise ValueError(f"--model-config gives the whole model: drop {', '.join(given)}")
+        model = ModelSpec.from_hf_config(args.model_config)
+        return model.with_trainable(float(fraction)) if fraction is not None else model
     model = coerce_model(name)
     if not model.name and (layers or hidden):       # a bare parameter count: reshape around the given sizes
         model = ModelSpec.from_params(model.params, layers=layers, hidden=hidden)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from .comm import plan_collectives, price, price_plan
 from .memory import Memory, memory
-from .planner import (Estimate, NoPlanFits, auto_plan, candidate_plans, coerce_model, compute_seconds,
-                      evaluate, no_plan_fits, rank_plans)
+from .planner import (REL_TIE, Estimate, NoPlanFits, auto_plan, candidate_plans, coerce_model, compute_seconds,
+                      evaluate, no_plan_fits, rank_estimates, rank_plans)
 from .specs import MODELS, Cluster, Job, ModelSpec, Tier
 
 __all__ = [
     "MODELS", "Cluster", "Estimate", "Job", "Memory", "ModelSpec", "NoPlanFits", "Tier", "auto_plan",
     "candidate_plans", "coerce_model", "compute_seconds", "evaluate", "memory", "no_plan_fits", "plan_collectives", "price",
-    "price_plan", "rank_plans",
+    "price_plan", "REL_TIE", "rank_estimates", "rank_plans",
 ]

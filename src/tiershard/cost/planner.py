@@ -144,18 +144,50 @@ def candidate_plans(topology: Topology, options: bool = True) -> list[Plan]:
     return out
 
 
-def _order(e: Estimate) -> tuple:
-    # Fits first; then time (to 6 significant digits, so float noise is a tie); then less quantization, fewer
-    # bytes on the slowest (outermost) tier, less memory, fewer options.
+# [Note: tie rule] Two fitting plans tie when their predicted step times are within REL_TIE (one part per million,
+# far below what the model can resolve, far above float noise) of the fastest time of their tie group: plans are
+# sorted by exact time and each one that is not within REL_TIE of its group's fastest starts the next group. So the
+# groups depend only on the set of times, never on the candidates' order. Inside a group: less quantization (it
+# changes the numerics), fewer bytes on the slowest (outermost) tier, less memory per device, fewer options, then
+# the plan text, which is unique: the ranking is a function of the set of candidates. Plans that do not fit follow,
+# smallest memory first.
+REL_TIE = 1e-6
+
+
+def _tie_key(e: Estimate) -> tuple:
     outer = next(reversed(e.group_sizes))
     options = len(e.plan.hpz) + e.quantized + int(e.plan.cc)
-    return (not e.fits, float(f"{e.step_time:.6g}") if e.fits else e.memory.total, e.quantized,
-            e.tier_bytes.get(outer, 0), float(f"{e.memory.total:.6g}"), options, str(e.plan))
+    return (e.quantized, e.tier_bytes.get(outer, 0), float(f"{e.memory.total:.6g}"), options, str(e.plan))
+
+
+def _ranking_keys(estimates: Sequence[Estimate]) -> list[tuple]:
+    """A sort key per estimate: (does not fit, tie group or memory, _tie_key), by the tie rule above."""
+    keys: list[tuple] = [()] * len(estimates)
+    group, anchor = -1, None
+    for i in sorted((i for i, e in enumerate(estimates) if e.fits), key=lambda i: estimates[i].step_time):
+        time = estimates[i].step_time
+        if anchor is None or time > anchor * (1 + REL_TIE):
+            group, anchor = group + 1, time
+        keys[i] = (False, group, *_tie_key(estimates[i]))
+    for i, e in enumerate(estimates):
+        if not e.fits:
+            keys[i] = (True, e.memory.total, *_tie_key(e))
+    return keys
+
+
+def rank_estimates(estimates: Iterable[Estimate]) -> list[Estimate]:
+    """Estimates best first by the tie rule ([Note: tie rule]), each with the reason it loses to the best."""
+    estimates = list(estimates)
+    if not estimates:
+        return []
+    keyed = sorted(zip(_ranking_keys(estimates), estimates), key=lambda ke: ke[0])
+    (best_key, best), outer = keyed[0], next(reversed(keyed[0][1].group_sizes))
+    return [replace(e, reason=why(e, best, outer, key, best_key)) for key, e in keyed]
 
 
 def rank_plans(model: ModelSpec, cluster: Cluster, job: Job,
                candidates: Iterable[Plan | str] | None = None) -> list[Estimate]:
-    """Estimates of every candidate, best first, each with the reason it loses to the best."""
+    """Estimates of every candidate, best first ([Note: tie rule]), each with the reason it loses to the best."""
     plans = candidate_plans(cluster.topology) if candidates is None else \
         [Plan.parse(c) if isinstance(c, str) else c for c in candidates]
     estimates = []
@@ -165,22 +197,16 @@ def rank_plans(model: ModelSpec, cluster: Cluster, job: Job,
         except PlanError:
             if candidates is not None:
                 raise
-    estimates.sort(key=_order)
-    if not estimates:
-        return []
-    best = estimates[0]
-    outer = cluster.tiers[-1].name
-    return [replace(e, reason=why(e, best, outer)) for e in estimates]
+    return rank_estimates(estimates)
 
 
-def why(e: Estimate, best: Estimate, outer: str) -> str:
-    """One phrase for why ``e`` ranks below ``best`` (or why it is best)."""
+def why(e: Estimate, best: Estimate, outer: str, mine: tuple, theirs: tuple) -> str:
+    """One phrase for why ``e`` (ranking key ``mine``) ranks below ``best`` (key ``theirs``), or why it is best."""
     gb = 1e9
     if not e.fits:
         return f"does not fit: {e.memory.total / gb:.1f} GB > {e.capacity / gb:.1f} GB usable"
     if e is best:
         return "fastest that fits"
-    mine, theirs = _order(e), _order(best)
     if mine[1] == theirs[1]:
         for index, what in ((2, "more quantization"), (3, "more inter-node bytes"), (4, "more memory")):
             if mine[index] > theirs[index]:
@@ -241,7 +267,8 @@ def _is_module(model: object) -> bool:
 
 def auto_plan(model: object, cluster: Cluster, job: Job | None = None, *,
               candidates: Sequence[Plan | str] | None = None, wrap: object = None) -> Plan:
-    """The fastest plan that fits in memory; ties go to less quantization. Raises NoPlanFits.
+    """The fastest plan that fits in memory; ties (times within ``REL_TIE``) go to less quantization, then fewer
+    outermost-tier bytes, less memory, fewer options, the plan text ([Note: tie rule]). Raises NoPlanFits.
 
     A torch module is counted unit by unit as ``ts.shard(model, ..., wrap=wrap)`` would cut it (the same
     default for ``wrap=None``), so pass the ``wrap`` you will shard with."""

@@ -6,8 +6,11 @@ Units are SI throughout: bytes, bytes per second, seconds, flop per second.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..topology import Topology, TopologyError
@@ -27,6 +30,9 @@ MODELS: dict[str, tuple[float, int, int, int]] = {
     "65b": (65.2e9, 80, 8192, 32000),
     "70b": (70.0e9, 80, 8192, 32000),
 }
+
+# config.json model_type values ModelSpec.from_hf_config counts (the LLaMA shape or the GPT-2 shape).
+HF_MODEL_TYPES = ("gpt2", "llama", "mistral")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +137,72 @@ class ModelSpec:
         if layers is None:
             layers = max(1, round(params / (12 * hidden ** 2)))
         return cls(params=int(params), layers=int(layers), hidden=int(hidden), vocab=vocab)
+
+    @classmethod
+    def from_hf_config(cls, config: "dict | str | os.PathLike") -> "ModelSpec":
+        """A model from a Hugging Face ``config.json`` (a path or its dict), counted without transformers.
+
+        Parameters, units and shapes are those ``AutoModelForCausalLM.from_config`` builds and ``ts.shard`` cuts
+        (one unit per decoder block, the root holding embeddings, final norm and an untied head), so planning a
+        70B model needs neither its weights nor its memory. Supported: ``HF_MODEL_TYPES``."""
+        source = "config"
+        if not isinstance(config, dict):
+            source = str(config)
+            try:
+                config = json.loads(Path(config).read_text())
+            except OSError as err:
+                raise ValueError(f"cannot read {source}: {err.strerror}") from None
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{source} is not valid JSON: {err}") from None
+            if not isinstance(config, dict):
+                raise ValueError(f"{source} holds a {type(config).__name__}, not a config object")
+        kind = config.get("model_type")
+        supported = ", ".join(sorted(HF_MODEL_TYPES))
+        if kind not in HF_MODEL_TYPES:
+            what = f"unknown model_type {kind!r}" if kind else "no model_type"
+            raise ValueError(f"{source}: {what}; supported: {supported} (or give --model / a ModelSpec)")
+
+        def need(key: str) -> int:
+            if key not in config:
+                raise ValueError(f"{source}: missing {key!r}, which a {kind} config needs to count its parameters")
+            value = config[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{source}: {key}={value!r} must be a positive integer")
+            return value
+
+        vocab = need("vocab_size")
+        if kind == "gpt2":
+            h, layers, heads, positions = need("n_embd"), need("n_layer"), need("n_head"), need("n_positions")
+            if h % heads:
+                raise ValueError(f"{source}: n_embd={h} is not divisible by n_head={heads}")
+            inner = config.get("n_inner") or 4 * h
+            tied = config.get("tie_word_embeddings", True)
+            root = [(vocab, h), (positions, h), (h,), (h,)] + ([] if tied else [(vocab, h)])
+            block = [(h,), (h,), (h, 3 * h), (3 * h,), (h, h), (h,), (h,), (h,), (h, inner), (inner,), (inner, h), (h,)]
+        else:   # llama-shaped: llama, mistral
+            h, inter, layers, heads = (need(k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                          "num_attention_heads"))
+            kv = config.get("num_key_value_heads") or heads
+            head_dim = config.get("head_dim") or h // heads
+            if not config.get("head_dim") and h % heads:
+                raise ValueError(f"{source}: hidden_size={h} is not divisible by num_attention_heads={heads}")
+            if not isinstance(kv, int) or kv < 1 or heads % kv:
+                raise ValueError(f"{source}: num_key_value_heads={kv!r} must divide num_attention_heads={heads}")
+            tied = config.get("tie_word_embeddings", False)
+            qkv_bias = bool(config.get("attention_bias", False))
+            mlp_bias = bool(config.get("mlp_bias", False))
+            q, k = heads * head_dim, kv * head_dim
+            attn = [(q, h)] + [(q,)] * qkv_bias + [(k, h)] + [(k,)] * qkv_bias + [(k, h)] + [(k,)] * qkv_bias + \
+                [(h, q)] + [(h,)] * qkv_bias
+            mlp = [(inter, h)] + [(inter,)] * mlp_bias + [(inter, h)] + [(inter,)] * mlp_bias + [(h, inter)] + \
+                [(h,)] * mlp_bias
+            block = attn + mlp + [(h,), (h,)]
+            root = [(vocab, h), (h,)] + ([] if tied else [(vocab, h)])
+        units = [tuple(root)] + [tuple(block)] * layers
+        counts = tuple((sum(math.prod(s) for s in shapes), 0) for shapes in units)
+        names = config.get("architectures") or [kind]
+        return cls(params=sum(t for t, _ in counts), layers=layers, hidden=h, vocab=vocab, name=str(names[0]),
+                   units=counts, param_shapes=tuple((shapes, (), i == 0) for i, shapes in enumerate(units)))
 
     @classmethod
     def from_module(cls, module: "torch.nn.Module", *, wrap=None, layers: int | None = None,
