@@ -58,6 +58,13 @@ def stream_for(topology: "Topology") -> "CommStream":
     return stream
 
 
+def drain_all() -> None:
+    """Wait for every topology's stream: what a master's ``.grad`` does first ([Note: draining before .grad],
+    runtime/flat.py)."""
+    for stream in list(_STREAMS.values()):
+        stream.drain()
+
+
 class _Job(Future):
     """A job's future that remembers whether its failure has reached a caller ([Note: no failure is dropped])."""
 

@@ -46,7 +46,6 @@ gradient, never after. The engine's own accesses, some of them on the stream, go
 """
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -59,7 +58,7 @@ from ..comm import collectives as C
 from ..comm import hierarchical as H
 from ..comm.codecs import codec_from_spec
 from ..comm.quantized import QuantizedGather, QuantizedReduceScatter
-from ..comm.stream import stream_for
+from ..comm.stream import drain_all, stream_for
 from .layout import ParamLayout, plan_columns
 
 if TYPE_CHECKING:
@@ -67,14 +66,6 @@ if TYPE_CHECKING:
 
 
 _RAW_GRAD = torch._C.TensorBase.grad
-_STREAMS: "weakref.WeakSet" = weakref.WeakSet()   # the streams of every flat group: drained before .grad
-
-
-def _drain_streams() -> None:
-    for stream in list(_STREAMS):
-        stream.drain()
-
-
 def _get_grad(master: torch.Tensor) -> torch.Tensor | None:
     """``master.grad`` without draining: the engine's own accesses ([Note: draining before .grad])."""
     return _RAW_GRAD.__get__(master)
@@ -93,17 +84,17 @@ class TierMaster(DTensor):
 
     @property
     def grad(self):
-        _drain_streams()
+        drain_all()
         return _RAW_GRAD.__get__(self)
 
     @grad.setter
     def grad(self, value):
-        _drain_streams()
+        drain_all()
         _RAW_GRAD.__set__(self, value)
 
     @grad.deleter
     def grad(self):
-        _drain_streams()
+        drain_all()
         _RAW_GRAD.__delete__(self)
 
     @property
@@ -227,7 +218,6 @@ class FlatGroup:
         self._encoded_p = None         # (weights version, wire): the qwz encoding of p_shard, reused until it changes
         self.cc = plan.cc
         self.stream = stream_for(topo)
-        _STREAMS.add(self.stream)
         self._gathering = None         # (future of the gathered matrix, exact): a gather in flight
         self._reducing = None          # future of this group's last reduction
         self._rebuild = False          # the masters changed since p_shard (or, replicated, the working copy) was made
