@@ -3,6 +3,7 @@ is root and may create network namespaces, one real cluster: up, a 4-rank gloo a
 ring formula, intra-node traffic off the NIC, failures and interrupts cleaned up, down."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -293,3 +294,144 @@ def test_real_interrupted_up_and_exception_in_with_leave_nothing(netns, monkeypa
             assert f"ts-{name}-n1" in _ts_namespaces()
             raise RuntimeError("boom")
     assert _ts_namespaces() == before
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Three tiers: groups of ranks in their own namespaces behind a node bridge
+
+
+def test_three_tier_up_commands_cap_group_links_and_node_uplinks():
+    cmds = up_commands("m3", 2, 250_000_000, 2, 2 * 10**9)
+    made = [c[3] for c in cmds if c[:3] == ["ip", "netns", "add"]]
+    assert made == ["ts-m3-sw", "ts-m3-n0", "ts-m3-n0g0", "ts-m3-n0g1", "ts-m3-n1", "ts-m3-n1g0", "ts-m3-n1g1"]
+    caps = {(c[2], c[6], c[10]) for c in cmds if c[0] == "tc"}
+    top = {(f"ts-m3-n{i}", "eth0", "250000000bit") for i in range(2)} | \
+        {("ts-m3-sw", f"p{i}", "250000000bit") for i in range(2)}
+    middle = {(f"ts-m3-n{i}g{j}", "eth0", "2000000000bit") for i in range(2) for j in range(2)} | \
+        {(f"ts-m3-n{i}", f"q{j}", "2000000000bit") for i in range(2) for j in range(2)}
+    assert caps == top | middle
+    addrs = {c[2]: c[5] for c in cmds if c[3:5] == ["addr", "add"]}     # only the groups have addresses
+    assert addrs == {"ts-m3-n0g0": "10.77.0.1/24", "ts-m3-n0g1": "10.77.0.2/24", "ts-m3-n1g0": "10.77.0.3/24",
+                     "ts-m3-n1g1": "10.77.0.4/24"}
+    ports = {(c[2], c[5]) for c in cmds if c[3:4] == ["link"] and c[6:7] == ["master"]}
+    assert {(f"ts-m3-n{i}", "eth0") for i in range(2)} <= ports           # the node uplink is a bridge port
+    assert cluster_namespaces(made + ["ts-m3-n0g", "ts-m3-g0"]) == {"m3": sorted(made[1:]) + ["ts-m3-sw"]}
+    assert up_commands("m3", 2, 250_000_000) == up_commands("m3", 2, 250_000_000, 1, None)   # two tiers unchanged
+
+
+def test_three_tier_rank_env_gives_the_topology_and_one_host_per_node(monkeypatch):
+    from tiershard.topology import Topology, TopologyError
+
+    envs = [rank_env(r, 2, 4, 29511, groups_per_node=2, cluster="m3") for r in range(8)]
+    assert [(e["LOCAL_WORLD_SIZE"], e["NODE_RANK"], e["LOCAL_RANK"]) for e in envs[3:5]] == [("4", "0", "3"),
+                                                                                           ("4", "1", "0")]
+    assert {e["TIERSHARD_TOPOLOGY"] for e in envs} == {"2,4,8"} and envs[7]["MASTER_ADDR"] == "10.77.0.1"
+    assert envs[5]["TIERSHARD_NODE_NETNS"] == "ts-m3-n1"
+    for key, value in envs[5].items():
+        monkeypatch.setenv(key, value)
+    topo = Topology.from_env()
+    assert (topo.sizes, topo.names) == ((2, 4, 8), ("pair", "node", "world"))
+    hosts = [e["TIERSHARD_HOST_ID"] for e in envs]
+    assert len(set(hosts[:4])) == 1 and len(set(hosts)) == 2
+    topo.check_hosts(hosts)                                            # groups of a node: one host
+    Topology((4, 8)).check_hosts(hosts)                                # nodes of 4: the same hosts, also right
+    with pytest.raises(TopologyError, match="spans 2 hosts.*declare Topology\\(\\(2, 4, 8\\)\\)"):
+        Topology((2, 8, 8)).check_hosts(hosts)                         # a node of 8 would cross the network
+    two = rank_env(3, 2, 2, 29511)
+    assert not {"TIERSHARD_TOPOLOGY", "TIERSHARD_HOST_ID", "TIERSHARD_NODE_NETNS"} & two.keys()
+
+
+def test_tiers_and_rates_by_tier():
+    c = EmulatedCluster.from_tiers((2, 4, 8), ("none", "2gbit", "250mbit"), name="m3")
+    assert (c.nodes, c.ranks_per_node, c.groups_per_node, c.ranks_per_group) == (2, 4, 2, 2)
+    assert (c.tiers, c.tier_names, c.tier_rates) == ((2, 4, 8), ("pair", "node", "world"),
+                                                     (None, 2 * 10**9, 250_000_000))
+    c._tools = {"ip": "/sbin/ip", "tc": "/sbin/tc"}
+    assert [c.rank_namespace(r) for r in (0, 1, 2, 5, 7)] == ["ts-m3-n0g0", "ts-m3-n0g0", "ts-m3-n0g1",
+                                                               "ts-m3-n1g0", "ts-m3-n1g1"]
+    assert (c.rank_address(2), c.node_address(1)) == ("10.77.0.2", "10.77.0.3")
+    two = EmulatedCluster.from_tiers((2, 4), ("none", "1gbit"))
+    assert (two.nodes, two.ranks_per_node, two.groups_per_node, two.inter_bw, two.tiers) == (2, 2, 1, 10**9, (2, 4))
+    for tiers, rates, words in [((2, 4, 8), ("1gbit", "2gbit", "250mbit"), "loopback"),
+                                ((2, 4, 8), ("none", "250mbit"), "2 rates for 3 tiers"),
+                                ((3, 4, 8), ("none",) * 3, "multiple"), ((4, 4), ("none",) * 2, "2 or more"),
+                                ((2, 4, 8, 16), ("none",) * 4, "2 or 3"), ((2, 4, 8), ("none", "2GB/s", "1gbit"),
+                                                                            "ambiguous")]:
+        with pytest.raises(ClusterError, match=words):
+            EmulatedCluster.from_tiers(tiers, rates)
+    with pytest.raises(ClusterError, match="groups_per_node=3"):
+        EmulatedCluster(2, 4, groups_per_node=3)
+    with pytest.raises(ClusterError, match="one group per node"):
+        EmulatedCluster(2, 4, node_bw="1gbit")
+
+
+def test_ring_allreduce_bytes_per_tier():
+    assert tc.ring_allreduce_tier_bytes(64 * MiB, (2, 4)) == {"world": 96 * MiB}
+    # 8 ranks: each group sends one ring edge of 2(n-1)/n = 1.75 x the buffer; one of a node's two leaves the node
+    assert tc.ring_allreduce_tier_bytes(64 * MiB, (2, 4, 8)) == {"world": 112 * MiB, "node": 112 * MiB}
+    assert tc.ring_allreduce_tier_bytes(64 * MiB, (1, 4, 8)) == {"world": 112 * MiB, "node": 3 * 112 * MiB}
+
+
+def test_real_three_tier_cluster_counts_each_tier_and_shards(netns):
+    """2 nodes x 2 groups x 1 rank: per-tier link bytes of a world all_reduce against the ring formula (read inside
+    the ranks, and from outside), ts.shard with the launcher's topology against an unsharded step, and a topology
+    whose node spans both nodes refused."""
+    before = _ts_namespaces()
+    name = f"k{os.getpid() % 100000}"
+    job = os.path.join(os.path.dirname(__file__), "_shard_job.py")
+    with EmulatedCluster.from_tiers((1, 2, 4), ("none", "2gbit", "1gbit"), name=name) as cluster:
+        caps = cluster.link_caps()
+        assert [c["uplink"] for c in caps] == [10**9] * 2
+        assert all(g == {"uplink": 2 * 10**9, "port": 2 * 10**9} for c in caps for g in c["groups"])
+        start = cluster.tier_nic_bytes()
+        results = cluster.launch([sys.executable, job, "IIG"], timeout=180)
+        end = cluster.tier_nic_bytes()
+    assert _ts_namespaces() == before
+    out = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
+    expected = tc.ring_allreduce_tier_bytes(4 * MiB, (1, 2, 4))
+    for o in out:
+        assert (o["sizes"], o["names"], o["local_world_size"]) == ([1, 2, 4], ["pair", "node", "world"], 2)
+        assert o["max_diff"] < 1e-5, o
+        assert o["mismatch"] and "spans 2 hosts" in o["mismatch"], o["mismatch"]
+    for node in (0, 1):
+        first = out[2 * node]["links"]                 # rank 2*node: first of its group and of its node
+        second = out[2 * node + 1]["links"]
+        uplink, middle = first["uplink"], first["eth0"] + second["eth0"] - first["uplink"]
+        assert abs(uplink - expected["world"]) <= 0.05 * expected["world"], (node, uplink, expected)
+        assert abs(middle - expected["node"]) <= 0.05 * expected["node"], (node, middle, expected)
+        for tier in ("world", "node"):                 # the whole launch, from outside: at least the all_reduce
+            assert end[tier][node]["tx"] - start[tier][node]["tx"] >= expected[tier]
+
+
+def test_real_torchrun_multi_node_recipe(netns):
+    """docs/launchers.md's multi-node torchrun recipe, one torchrun per emulated node (c10d rendezvous at node
+    0's address): ts.shard with Topology.from_env() matches an unsharded step."""
+    before = _ts_namespaces()
+    name = f"r{os.getpid() % 100000}"
+    job = os.path.join(os.path.dirname(__file__), "_shard_job.py")
+    port = 29400 + os.getpid() % 500
+    with EmulatedCluster(2, 2, "1gbit", name=name) as cluster:
+        procs = []
+        for node in (0, 1):
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+                    "--rdzv-backend=c10d", f"--rdzv-endpoint={cluster.node_address(0)}:{port}", "--rdzv-id=t",
+                    f"--local-addr={cluster.node_address(node)}", f"--rdzv-conf=is_host={int(node == 0)}", job,
+                    "IIG"]
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+            procs.append(subprocess.Popen(cluster.node_command(node, argv), env=env, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        outputs = []
+        for proc in procs:
+            try:
+                stdout, stderr = proc.communicate(timeout=180)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+            assert proc.returncode == 0, stderr[-3000:]
+            outputs += [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    assert _ts_namespaces() == before
+    assert sorted(o["rank"] for o in outputs) == [0, 1, 2, 3]
+    for o in outputs:
+        assert (o["sizes"], o["names"], o["local_world_size"]) == ([2, 4], ["node", "world"], 2)
+        assert o["max_diff"] < 1e-5, o
+        assert o["mismatch"] and "spans 2 hosts" in o["mismatch"]

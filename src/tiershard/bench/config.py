@@ -45,7 +45,12 @@ class BenchError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class BenchConfig:
-    """One bench run. ``model`` overrides fields of the ``size`` preset (tests use tiny custom shapes)."""
+    """One bench run. ``model`` overrides fields of the ``size`` preset (tests use tiny custom shapes).
+
+    Two tiers: ``rates`` are the inter-node caps to run at, one after the other. ``tiers`` (innermost first, e.g.
+    ``(2, 4, 8)``: 2 nodes of 2 groups of 2 ranks) runs on a three-tier cluster; then every entry of ``rates`` is
+    one setting of all tiers, a comma list innermost first, e.g. ``"none,2gbit,250mbit"``.
+    """
 
     size: str = "3.7M"
     model: dict = field(default_factory=dict)
@@ -54,6 +59,7 @@ class BenchConfig:
     systems: tuple[str, ...] = DEFAULT_SYSTEMS
     accums: tuple[int, ...] = (1, 4)
     rates: tuple[str, ...] = ("250mbit", "1gbit", "none")
+    tiers: tuple[int, ...] | None = None   # (group, node, world) for three tiers; None: (ranks_per_node, world)
     rounds: int = 3
     steps_per_round: int = 2
     warmup: int = 1
@@ -101,10 +107,34 @@ def model_config(cfg: BenchConfig) -> GPTConfig:
 
 
 def topology(cfg: BenchConfig) -> Topology:
-    """The bench's tiers: (ranks_per_node, world), named node and world."""
+    """The bench's tiers: ``cfg.tiers`` (three: pair, node, world), else (ranks_per_node, world), node and world."""
     from ..topology import Topology
 
-    return Topology((cfg.ranks_per_node, cfg.world))
+    return Topology(tier_sizes(cfg))
+
+
+def tier_sizes(cfg: BenchConfig) -> tuple[int, ...]:
+    return tuple(cfg.tiers) if cfg.tiers else (cfg.ranks_per_node, cfg.world)
+
+
+def rate_settings(cfg: BenchConfig) -> list[tuple[str, tuple[int | None, ...]]]:
+    """Each setting of the links as (label, bits/s per tier innermost first, None uncapped): two tiers
+    ``("250mbit", (None, 250e6))``; three ``("none/2gbit/250mbit", (None, 2e9, 250e6))``."""
+    from ..cluster.emulated import ClusterError, check_tiers, format_rate, parse_rate
+
+    settings = []
+    for rate in cfg.rates:
+        try:
+            if not cfg.tiers:
+                settings.append((format_rate(parse_rate(rate)), (None, parse_rate(rate))))
+                continue
+            per_tier = [r.strip() for r in str(rate).split(",")]
+            check_tiers(cfg.tiers, per_tier)
+            bits = tuple(parse_rate(r) for r in per_tier)
+        except ClusterError as err:
+            raise BenchError(f"rates {rate!r}: {err}") from None
+        settings.append(("/".join(format_rate(b) for b in bits), bits))
+    return settings
 
 
 def parse_systems(cfg: BenchConfig) -> list[System]:
@@ -138,8 +168,6 @@ def parse_systems(cfg: BenchConfig) -> list[System]:
 
 def check_config(cfg: BenchConfig) -> None:
     """Raise BenchError for settings that cannot run, before anything is launched."""
-    from ..cluster.emulated import ClusterError, parse_rate
-
     ints = dict(nodes=cfg.nodes, ranks_per_node=cfg.ranks_per_node, rounds=cfg.rounds,
                 steps_per_round=cfg.steps_per_round, warmup=cfg.warmup, batch_per_rank=cfg.batch_per_rank)
     for name, value in ints.items():
@@ -148,16 +176,22 @@ def check_config(cfg: BenchConfig) -> None:
                              "peak memory is measured over the warm-up steps)")
     if cfg.nodes < 2:
         raise BenchError(f"nodes={cfg.nodes}: the bench compares node-crossing traffic, give at least 2 nodes")
+    if cfg.tiers:
+        from ..cluster.emulated import ClusterError, check_tiers
+
+        try:
+            check_tiers(tuple(cfg.tiers), ("none",) * len(cfg.tiers))
+        except ClusterError as err:
+            raise BenchError(str(err)) from None
+        if tuple(cfg.tiers[-2:]) != (cfg.ranks_per_node, cfg.world):
+            raise BenchError(f"tiers {tuple(cfg.tiers)} do not match nodes={cfg.nodes} x ranks_per_node="
+                             f"{cfg.ranks_per_node}: the last two tiers are (ranks_per_node, nodes x ranks_per_node)")
     if not cfg.accums or any(not isinstance(a, int) or a < 1 for a in cfg.accums):
         raise BenchError(f"accum {cfg.accums!r} must be positive integers, e.g. 1,4")
     if not cfg.local:
         if not cfg.rates:
             raise BenchError("no inter-node rates: give e.g. --rates 250mbit,1gbit,none")
-        for rate in cfg.rates:
-            try:
-                parse_rate(rate)
-            except ClusterError as err:
-                raise BenchError(str(err)) from None
+        rate_settings(cfg)
     mc = model_config(cfg)
     if cfg.seq is not None and not 1 <= cfg.seq <= mc.block_size:
         raise BenchError(f"seq={cfg.seq} must be in 1..{mc.block_size} (the model's block size)")

@@ -5,18 +5,23 @@
   tiershard bench --size 26M --rates 1gbit,none --accum 1 --out bench-26M
   tiershard bench --systems zero3,IIG,auto,fsdp2,deepspeed-hpz --rates 250mbit --check
   tiershard bench --local --systems zero3,fsdp2 --accum 2   # loopback ranks: no root, no caps, no NIC counters
+  tiershard bench --tiers 2,4,8 --rates 'none,2gbit,250mbit;none,none,none' --systems IIG,zero++,auto,fsdp2
+                                                         # three tiers: 2 nodes x 2 pairs x 2 ranks, two settings
 
 Every system trains the same GPT from the same seed on the same batches (bf16 gathers, compute and reductions,
 fp32 masters, AdamW) through one per-rank loop; the systems alternate round by round, warm-up excluded. Per
 (rate, accum) a table gives, per system: median step time, tokens/s, node-crossing bytes per step and node from
 the NIC counters and (our plans) from ts.comm_stats(), the cost model's prediction, the step time relative to
 FSDP2 fully_shard and DeepSpeed ZeRO-3 + hpZ, the floor max(compute, bytes / link rate), peak memory per rank
-and the final loss. The bench check compares NIC and comm_stats bytes for every plan (within 5%; --check makes
-a failure the exit code). Needs root for the emulated cluster (network namespaces), unless --local.
+and the final loss. The bench check compares NIC and comm_stats bytes for every plan and capped tier (within 5%;
+--check makes a failure the exit code). With --tiers the cluster has those tiers (three: groups of ranks sharing a
+namespace, nodes of groups behind a capped bridge, the world), and each ;-separated entry of --rates sets every
+tier's cap, innermost (none) first. Needs root for the emulated cluster (network namespaces), unless --local.
 """
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -34,14 +39,19 @@ def add_parser(subparsers) -> None:
     p.add_argument("--size", default=DEFAULTS["size"], help="GPT size: 3.7M (default), 26M or tiny")
     p.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
     p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
+    p.add_argument("--tiers", help="tier sizes innermost first instead of --nodes/--ranks-per-node, e.g. 2,4,8 "
+                                   "(2 nodes x 2 groups x 2 ranks: tiers pair, node, world); --rates then sets "
+                                   "every tier per entry, entries separated by ';'")
     p.add_argument("--systems", default=DEFAULTS["systems"],
-                   help="comma list of our plans (any plan text, or auto: the planner's pick for this cluster, rate "
-                        f"and accum) and peers ({', '.join(PEERS)}); "
+                   help="comma list of our plans (any plan text, p=pair,g=node,os=world too, or auto: the planner's "
+                        f"pick for this cluster, rate and accum) and peers ({', '.join(PEERS)}); "
                         f"default {DEFAULTS['systems']}")
     p.add_argument("--accum", default=DEFAULTS["accum"],
                    help="micro-steps per optimizer step, comma list (default 1,4)")
     p.add_argument("--rates", default=DEFAULTS["rates"],
-                   help="inter-node caps, tc rates (250mbit, 1gbit, ..., none); default 250mbit,1gbit,none")
+                   help="inter-node caps, tc rates (250mbit, 1gbit, ..., none); default 250mbit,1gbit,none. With "
+                        "--tiers: settings separated by ';', each a comma list of one rate per tier, innermost (none) "
+                        "first, e.g. 'none,2gbit,250mbit;none,none,none' (default: every tier uncapped)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--steps-per-round", type=int, default=2, help="timed steps per system and round (default 2)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per system first (default 1)")
@@ -52,7 +62,8 @@ def add_parser(subparsers) -> None:
                                       "measured by tiershard probe")
     p.add_argument("--out", help="folder for bench.md, bench.json and the PNG plots")
     p.add_argument("--check", action="store_true",
-                   help="exit 1 unless NIC bytes and comm_stats node-crossing bytes agree within 5%% for every plan")
+                   help="exit 1 unless NIC bytes and comm_stats bytes agree within 5%% for every plan and capped "
+                        "tier")
     p.add_argument("--local", action="store_true",
                    help="run on loopback gloo ranks of this machine: no root, no rate caps, no NIC counters")
     p.add_argument("--name", default="bench", help="name of the emulated cluster (default bench)")
@@ -71,6 +82,11 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
     return values
 
 
+def split_systems(text: str) -> tuple[str, ...]:
+    """The comma list of systems; a plan of the ``p=..,g=..,os=..`` form keeps its own commas."""
+    return tuple(s.strip() for s in re.split(r",(?!\s*(?:g|os)=)", text) if s.strip())
+
+
 def config(args: argparse.Namespace):
     """The BenchConfig the arguments describe."""
     from ..bench import BenchConfig
@@ -84,10 +100,22 @@ def config(args: argparse.Namespace):
             raise CliError(f"--intra-bw: {err}") from None
     if args.check and args.local:
         raise CliError("--check compares NIC counters, which --local does not have: drop --local (as root) or --check")
-    return BenchConfig(size=args.size, nodes=args.nodes, ranks_per_node=args.ranks_per_node,
-                       systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
-                       accums=_ints(args.accum, "accum"),
-                       rates=tuple(r.strip() for r in args.rates.split(",") if r.strip()),
+    nodes, per_node, tiers = args.nodes, args.ranks_per_node, None
+    rates = tuple(r.strip() for r in args.rates.split(",") if r.strip())
+    if args.tiers:
+        tiers = _ints(args.tiers, "tiers")
+        if len(tiers) < 2 or tiers[-1] % tiers[-2]:
+            raise CliError(f"--tiers {args.tiers!r} must be 2 or 3 sizes innermost first, each dividing the next, "
+                           "e.g. 2,4,8")
+        nodes, per_node = tiers[-1] // tiers[-2], tiers[-2]
+        rates = tuple(r.strip() for r in args.rates.split(";") if r.strip()) if args.rates != DEFAULTS["rates"] \
+            else (",".join(["none"] * len(tiers)),)
+    elif ";" in args.rates:
+        raise CliError(f"--rates {args.rates!r}: ';' separates per-tier settings, which need --tiers (e.g. --tiers "
+                       "2,4,8 --rates 'none,2gbit,250mbit')")
+    return BenchConfig(size=args.size, nodes=nodes, ranks_per_node=per_node, tiers=tiers,
+                       systems=split_systems(args.systems),
+                       accums=_ints(args.accum, "accum"), rates=rates,
                        rounds=args.rounds, steps_per_round=args.steps_per_round, warmup=args.warmup,
                        batch_per_rank=args.batch_per_rank, seq=args.seq, seed=args.seed, local=args.local,
                        intra_bw=intra, cluster_name=args.name, timeout=args.timeout)

@@ -10,8 +10,15 @@ machine every rank talks over loopback, so this module builds the slow tier out 
 
 Ranks of one node bind to the node's address; the kernel routes traffic between them over that namespace's
 loopback, so intra-node traffic never touches the capped NIC, and the NIC byte counters count only the inter-node
-tier. Everything made here carries the ``ts-`` prefix, and ``down`` removes exactly the namespaces of one cluster
-(deleting a namespace deletes its veth ends and the bridge). It needs root and iproute2 (``ip``, ``tc``).
+tier.
+
+With ``groups_per_node`` > 1 the cluster has three tiers (e.g. GCD pairs, nodes, world): each node is a bridge
+namespace (``ts-<name>-n<i>``, bridge ``br0``, uplink ``eth0`` to the switch) and its ranks run in
+``groups_per_node`` group namespaces (``ts-<name>-n<i>g<j>``, NIC ``eth0`` at ``10.77.0.<k+1>`` for the k-th group
+of the world) attached to the node bridge through port ``q<j>``. Ranks of one group talk over loopback (uncapped,
+uncounted), groups of one node over their capped group links (``node_bw``), nodes over the capped node uplinks
+(``inter_bw``). Everything made here carries the ``ts-`` prefix, and ``down`` removes exactly the namespaces of one
+cluster (deleting a namespace deletes its veth ends and the bridge). It needs root and iproute2 (``ip``, ``tc``).
 
 ``python -m tiershard.cluster allreduce ...`` is the small gloo job that ``tiershard cluster check`` and the
 tests launch on every rank.
@@ -24,6 +31,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -44,7 +52,9 @@ TBF_LATENCY = "2ms"             # the tbf queue bound (not an added delay): smal
 MIN_BURST = 256 * 1024          # bytes; also >= 10 ms of the rate, so the bucket never starves at high rates
 SBIN = ("/usr/sbin", "/sbin", "/usr/local/sbin")
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_]{0,15}$")
-NAMESPACE_RE = re.compile(r"^ts-([a-z0-9][a-z0-9_]{0,15})-(sw|n(\d+))$")
+NAMESPACE_RE = re.compile(r"^ts-([a-z0-9][a-z0-9_]{0,15})-(sw|n(\d+)(?:g(\d+))?)$")
+TIER_NAMES = {2: ("node", "world"), 3: ("pair", "node", "world")}    # Topology's default names for these tiers
+NODE_NETNS_ENV = "TIERSHARD_NODE_NETNS"     # three tiers: the namespace holding a rank's node uplink (for counters)
 
 _BITS = {"": 1, "bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
          "kibit": 2**10, "mibit": 2**20, "gibit": 2**30, "tibit": 2**40}
@@ -156,12 +166,23 @@ def node_namespace(name: str, node: int) -> str:
 
 
 def node_address(node: int) -> str:
-    """Node ``node``'s NIC address (the same in every cluster: each lives in its own namespaces)."""
+    """Node ``node``'s NIC address (the same in every cluster: each lives in its own namespaces). With three tiers
+    the same formula numbers the groups: the k-th group of the world is at ``node_address(k)``."""
     return f"{SUBNET}.{node + 1}"
 
 
 def port_name(node: int) -> str:
     return f"p{node}"
+
+
+def group_namespace(name: str, node: int, group: int) -> str:
+    """Three tiers: the namespace of group ``group`` of node ``node`` (its ranks run there)."""
+    return f"{PREFIX}{check_name(name)}-n{node}g{group}"
+
+
+def group_port_name(group: int) -> str:
+    """Three tiers: the node bridge's port towards group ``group``."""
+    return f"q{group}"
 
 
 def cluster_namespaces(names: Sequence[str]) -> dict[str, list[str]]:
@@ -174,11 +195,11 @@ def cluster_namespaces(names: Sequence[str]) -> dict[str, list[str]]:
     return {k: sorted(v, key=_ns_order) for k, v in sorted(clusters.items())}
 
 
-def _ns_order(ns: str) -> tuple[int, int]:
+def _ns_order(ns: str) -> tuple[int, int, int]:
     match = NAMESPACE_RE.match(ns)
     if match and match.group(3) is not None:
-        return (0, int(match.group(3)))
-    return (1, 0)
+        return (0, int(match.group(3)), -1 if match.group(4) is None else int(match.group(4)))
+    return (1, 0, 0)
 
 
 def shape_commands(name: str, nodes: int, bits: int | None) -> list[list[str]]:
@@ -194,9 +215,27 @@ def shape_commands(name: str, nodes: int, bits: int | None) -> list[list[str]]:
     return cmds
 
 
-def up_commands(name: str, nodes: int, bits: int | None) -> list[list[str]]:
+def group_shape_commands(name: str, nodes: int, groups_per_node: int, bits: int | None) -> list[list[str]]:
+    """Three tiers: tc commands that put every group link (group -> node bridge and back) at ``bits``/s, or remove
+    the cap."""
+    cmds = []
+    for i in range(nodes):
+        for j in range(groups_per_node):
+            for ns, dev in ((group_namespace(name, i, j), IFNAME), (node_namespace(name, i), group_port_name(j))):
+                if bits is None:
+                    cmds.append(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"])
+                else:
+                    cmds.append(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *tbf_args(bits)])
+    return cmds
+
+
+def up_commands(name: str, nodes: int, bits: int | None, groups_per_node: int = 1,
+                node_bits: int | None = None) -> list[list[str]]:
     """Every ip/tc command that builds a cluster, in order. Links get no IPv6 address (``addrgenmode none``) so
-    no neighbour discovery chatter lands on the NIC counters."""
+    no neighbour discovery chatter lands on the NIC counters. ``groups_per_node`` > 1 builds three tiers: node
+    bridges with group namespaces behind them, group links capped at ``node_bits``."""
+    if groups_per_node > 1:
+        return _three_tier_up_commands(name, nodes, bits, groups_per_node, node_bits)
     sw = switch_namespace(name)
     cmds = [
         ["ip", "netns", "add", sw],
@@ -223,11 +262,65 @@ def up_commands(name: str, nodes: int, bits: int | None) -> list[list[str]]:
     return cmds
 
 
-def rank_env(rank: int, nodes: int, ranks_per_node: int, port: int) -> dict[str, str]:
-    """The torchrun-style environment of one rank: rank r runs on node r // ranks_per_node."""
+def _bridge_commands(ns: str) -> list[list[str]]:
+    return [["ip", "netns", "add", ns], ["ip", "-n", ns, "link", "set", "lo", "up"],
+            ["ip", "-n", ns, "link", "add", BRIDGE, "type", "bridge"],
+            ["ip", "-n", ns, "link", "set", BRIDGE, "addrgenmode", "none"],
+            ["ip", "-n", ns, "link", "set", BRIDGE, "up"]]
+
+
+def _veth_commands(inner_ns: str, inner_dev: str, outer_ns: str, port: str, address: str | None) -> list[list[str]]:
+    """A veth from ``inner_ns`` (device ``inner_dev``, optionally addressed) to a port of ``outer_ns``'s bridge."""
+    cmds = [["ip", "link", "add", inner_dev, "netns", inner_ns, "type", "veth", "peer", "name", port, "netns",
+             outer_ns],
+            ["ip", "-n", inner_ns, "link", "set", inner_dev, "addrgenmode", "none"],
+            ["ip", "-n", outer_ns, "link", "set", port, "addrgenmode", "none"]]
+    if address is not None:
+        cmds.append(["ip", "-n", inner_ns, "addr", "add", f"{address}/24", "dev", inner_dev])
+    return cmds + [["ip", "-n", inner_ns, "link", "set", inner_dev, "up"],
+                   ["ip", "-n", outer_ns, "link", "set", port, "master", BRIDGE],
+                   ["ip", "-n", outer_ns, "link", "set", port, "up"]]
+
+
+def _three_tier_up_commands(name: str, nodes: int, bits: int | None, groups_per_node: int,
+                            node_bits: int | None) -> list[list[str]]:
+    """Switch, then per node a bridge namespace uplinked to the switch and its group namespaces behind it."""
+    sw = switch_namespace(name)
+    cmds = _bridge_commands(sw)
+    for i in range(nodes):
+        node_ns = node_namespace(name, i)
+        cmds += _bridge_commands(node_ns)
+        cmds += _veth_commands(node_ns, IFNAME, sw, port_name(i), None)
+        cmds.append(["ip", "-n", node_ns, "link", "set", IFNAME, "master", BRIDGE])     # the uplink is a port too
+        for j in range(groups_per_node):
+            gns = group_namespace(name, i, j)
+            cmds += [["ip", "netns", "add", gns], ["ip", "-n", gns, "link", "set", "lo", "up"]]
+            cmds += _veth_commands(gns, IFNAME, node_ns, group_port_name(j), node_address(i * groups_per_node + j))
+    if bits is not None:
+        cmds += shape_commands(name, nodes, bits)
+    if node_bits is not None:
+        cmds += group_shape_commands(name, nodes, groups_per_node, node_bits)
+    return cmds
+
+
+def rank_env(rank: int, nodes: int, ranks_per_node: int, port: int, groups_per_node: int = 1,
+             cluster: str = DEFAULT_NAME) -> dict[str, str]:
+    """The torchrun-style environment of one rank: rank r runs on node r // ranks_per_node.
+
+    With three tiers (``groups_per_node`` > 1) rank r runs in group (r % ranks_per_node) // ranks_per_group of its
+    node, MASTER_ADDR is the first group's address, and the rank also gets ``TIERSHARD_TOPOLOGY`` (group, node,
+    world sizes: ``Topology.from_env()`` names them pair, node, world), ``TIERSHARD_HOST_ID`` (one per node, so
+    the groups of a node count as one host at ``ts.shard``) and ``TIERSHARD_NODE_NETNS`` (the node's namespace,
+    where the node uplink's counters are).
+    """
     world = nodes * ranks_per_node
     node, local = divmod(rank, ranks_per_node)
-    return {
+    extra = {}
+    if groups_per_node > 1:
+        extra = {"TIERSHARD_TOPOLOGY": f"{ranks_per_node // groups_per_node},{ranks_per_node},{world}",
+                 "TIERSHARD_HOST_ID": f"{socket.gethostname()}/{node_namespace(cluster, node)}",
+                 NODE_NETNS_ENV: node_namespace(cluster, node)}
+    return {**extra,
         "MASTER_ADDR": node_address(0), "MASTER_PORT": str(port),
         "RANK": str(rank), "WORLD_SIZE": str(world),
         "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(ranks_per_node),
@@ -235,6 +328,45 @@ def rank_env(rank: int, nodes: int, ranks_per_node: int, port: int) -> dict[str,
         "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
         "GLOO_SOCKET_IFNAME": IFNAME,
     }
+
+
+def check_tiers(tiers: Sequence[int], rates: Sequence[str | int | None]) -> tuple[int, int, int, int | None,
+                                                                                   int | None]:
+    """Tier sizes and per-tier rates, innermost first, as (nodes, ranks_per_node, groups_per_node, node_bits,
+    inter_bits): ``(2, 4)`` with ``("none", "250mbit")`` is 2 nodes of 2 ranks; ``(2, 4, 8)`` with
+    ``("none", "2gbit", "250mbit")`` is 2 nodes of 2 groups of 2 ranks. The innermost tier is loopback, so its
+    rate must be none."""
+    sizes = tuple(tiers)
+    if len(sizes) not in (2, 3) or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes):
+        raise ClusterError(f"tiers {tuple(tiers)!r} must be 2 or 3 positive sizes, innermost first, e.g. 2,4 (2 "
+                           "nodes of 2 ranks) or 2,4,8 (2 nodes of 2 groups of 2 ranks)")
+    for inner, outer in zip(sizes, sizes[1:]):
+        if outer % inner or outer == inner:
+            raise ClusterError(f"tiers {sizes}: each tier must hold 2 or more of the tier inside it ({outer} is not "
+                               f"a multiple of {inner} above it), e.g. 2,4,8")
+    if len(rates) != len(sizes):
+        raise ClusterError(f"{len(rates)} rates for {len(sizes)} tiers {sizes}: give one per tier, innermost first, "
+                           "e.g. none,2gbit,250mbit (the innermost is loopback: none)")
+    bits = [parse_rate(r) for r in rates]
+    if bits[0] is not None:
+        raise ClusterError(f"the innermost tier's rate is {rates[0]!r}: its ranks share a namespace and talk over "
+                           "loopback, which is not capped; give none")
+    if len(sizes) == 2:
+        return sizes[1] // sizes[0], sizes[0], 1, None, bits[1]
+    return sizes[2] // sizes[1], sizes[1], sizes[1] // sizes[0], bits[1], bits[2]
+
+
+def ring_allreduce_tier_bytes(nbytes: int, tiers: Sequence[int]) -> dict[str, int]:
+    """Bytes per node and tier link for one world ring all_reduce of ``nbytes`` over contiguous ranks: ``world``
+    is what each node uplink sends; with three tiers ``node`` is what the node's group links send on top of that
+    (each group sends one ring edge's 2(n-1)/n of the buffer; one of them per node leaves the node)."""
+    sizes = tuple(tiers)
+    n = sizes[-1]
+    edge = int(round(2 * (n - 1) / n * nbytes)) if n > 1 else 0
+    out = {"world": edge if sizes[-2] < n else 0}
+    if len(sizes) == 3:
+        out["node"] = sizes[1] // sizes[0] * edge - out["world"]
+    return out
 
 
 def ring_allreduce_nic_bytes(nbytes: int, nodes: int, ranks_per_node: int) -> int:
@@ -382,33 +514,80 @@ def _tail(text: str, lines: int = 30, chars: int = 4000) -> str:
 class EmulatedCluster:
     """``nodes`` emulated nodes of ``ranks_per_node`` ranks each, linked at ``inter_bw`` (a tc rate, or None).
 
+    ``groups_per_node`` > 1 makes three tiers: each node's ranks run in that many group namespaces, linked to
+    the node's bridge at ``node_bw`` (a tc rate, or None); ``EmulatedCluster.from_tiers((2, 4, 8), ("none",
+    "2gbit", "250mbit"))`` says the same by tier.
+
     Use as a context manager: the cluster comes up on enter and is torn down on exit, also after an exception,
     Ctrl-C or SIGTERM. ``up`` refuses to build over an existing cluster of the same name unless ``replace=True``,
     which tears the old one down first.
     """
 
     def __init__(self, nodes: int = 2, ranks_per_node: int = 1, inter_bw: str | int | None = None, *,
-                 name: str = DEFAULT_NAME, replace: bool = False):
+                 name: str = DEFAULT_NAME, replace: bool = False, groups_per_node: int = 1,
+                 node_bw: str | int | None = None):
         if not isinstance(nodes, int) or not 1 <= nodes <= MAX_NODES:
             raise ClusterError(f"nodes must be an integer from 1 to {MAX_NODES}, got {nodes!r}")
         if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
             raise ClusterError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
+        if not isinstance(groups_per_node, int) or groups_per_node < 1 or ranks_per_node % groups_per_node:
+            raise ClusterError(f"groups_per_node={groups_per_node!r} must be a positive integer dividing "
+                               f"ranks_per_node={ranks_per_node}, e.g. 2 for GCD pairs on nodes of 4 ranks")
+        if nodes * groups_per_node > MAX_NODES:
+            raise ClusterError(f"{nodes} nodes x {groups_per_node} groups is more than the {MAX_NODES} addresses "
+                               "of the cluster's subnet: use fewer nodes or groups")
+        if groups_per_node == 1 and parse_rate(node_bw) is not None:
+            raise ClusterError(f"node_bw={node_bw!r} caps the links between the groups of a node, but this cluster "
+                               "has one group per node: give groups_per_node=2 or more, or node_bw=None")
         self.name = check_name(name)
         self.nodes = nodes
         self.ranks_per_node = ranks_per_node
+        self.groups_per_node = groups_per_node
         self.inter_bw = parse_rate(inter_bw)
+        self.node_bw = parse_rate(node_bw)
         self.replace = replace
         self._tools: dict[str, str] | None = None
         self._owned = False
         self._signals = None
 
+    @classmethod
+    def from_tiers(cls, tiers: Sequence[int], rates: Sequence[str | int | None], *, name: str = DEFAULT_NAME,
+                   replace: bool = False) -> EmulatedCluster:
+        """The cluster of tier sizes ``tiers`` (innermost first: ``(2, 4)`` or ``(2, 4, 8)``) with one tc rate per
+        tier (the innermost, loopback, must be none): ``from_tiers((2, 4, 8), ("none", "2gbit", "250mbit"))``."""
+        nodes, per_node, groups, node_bits, inter_bits = check_tiers(tiers, rates)
+        return cls(nodes, per_node, inter_bits, name=name, replace=replace, groups_per_node=groups,
+                   node_bw=node_bits)
+
     def __repr__(self) -> str:
+        groups = "" if self.groups_per_node == 1 else \
+            f", groups_per_node={self.groups_per_node}, node_bw={format_rate(self.node_bw)!r}"
         return (f"EmulatedCluster(nodes={self.nodes}, ranks_per_node={self.ranks_per_node}, "
-                f"inter_bw={format_rate(self.inter_bw)!r}, name={self.name!r})")
+                f"inter_bw={format_rate(self.inter_bw)!r}, name={self.name!r}{groups})")
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
+
+    @property
+    def ranks_per_group(self) -> int:
+        """Ranks that share one namespace (and loopback): a node's ranks, or with three tiers a group's."""
+        return self.ranks_per_node // self.groups_per_node
+
+    @property
+    def tiers(self) -> tuple[int, ...]:
+        """Tier sizes innermost first, as ``Topology`` takes them: (ranks_per_node, world) or (group, node, world)."""
+        inner = (self.ranks_per_group,) if self.groups_per_node > 1 else ()
+        return (*inner, self.ranks_per_node, self.world_size)
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        return TIER_NAMES[len(self.tiers)]
+
+    @property
+    def tier_rates(self) -> tuple[int | None, ...]:
+        """The configured cap of each tier's links (bits/s or None), innermost (loopback, None) first."""
+        return (None, self.node_bw, self.inter_bw) if self.groups_per_node > 1 else (None, self.inter_bw)
 
     @property
     def tools(self) -> dict[str, str]:
@@ -431,9 +610,12 @@ class EmulatedCluster:
         except (OSError, ValueError):
             raise ClusterError(f"cluster {name!r} has namespaces but no state file {_state_path(name)} (an "
                                "interrupted up?): run `tiershard cluster down` and up again") from None
-        cluster = cls(state["nodes"], state["ranks_per_node"], None, name=name)
+        cluster = cls(state["nodes"], state["ranks_per_node"], None, name=name,
+                      groups_per_node=state.get("groups_per_node", 1))
         cluster._tools = tools
         cluster.inter_bw = cluster.bandwidth()
+        if cluster.groups_per_node > 1:
+            cluster.node_bw = cluster.link_caps()[0]["groups"][0]["uplink"]
         return cluster
 
     def exists(self) -> bool:
@@ -451,7 +633,9 @@ class EmulatedCluster:
         STATE_DIR.mkdir(parents=True, exist_ok=True)
         state = {"name": self.name, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
                  "inter_bw": format_rate(self.inter_bw), "ifname": IFNAME,
-                 "addresses": [node_address(i) for i in range(self.nodes)]}
+                 "addresses": [node_address(i) for i in range(self.nodes * self.groups_per_node)]}
+        if self.groups_per_node > 1:
+            state.update(groups_per_node=self.groups_per_node, node_bw=format_rate(self.node_bw))
         try:
             # O_EXCL: two concurrent ups of one name cannot both pass this point.
             fd = os.open(_state_path(self.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -461,7 +645,7 @@ class EmulatedCluster:
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(state, f, indent=1)
-            for cmd in up_commands(self.name, self.nodes, self.inter_bw):
+            for cmd in up_commands(self.name, self.nodes, self.inter_bw, self.groups_per_node, self.node_bw):
                 proc = _run(cmd, tools, check=False)
                 if proc.returncode != 0:
                     raise ClusterError(self._explain(cmd, proc))
@@ -536,16 +720,43 @@ class EmulatedCluster:
                 raise ClusterError(self._explain(cmd, proc).replace("; nothing of", "; cap unchanged on"))
         self.inter_bw = bits
 
+    def set_node_bandwidth(self, rate: str | int | None) -> None:
+        """Three tiers: cap every group link (group <-> node bridge) at ``rate`` in both directions, or uncap it."""
+        if self.groups_per_node == 1:
+            raise ClusterError(f"cluster {self.name!r} has one group per node, so no links between groups to cap: "
+                               "up one with groups_per_node=2 or more (--tiers 2,4,8)")
+        bits = parse_rate(rate)
+        for cmd in group_shape_commands(self.name, self.nodes, self.groups_per_node, bits):
+            proc = _run(cmd, self.tools, check=False)
+            if proc.returncode != 0 and not (bits is None and ("No such file" in proc.stderr
+                                                               or "Cannot find" in proc.stderr
+                                                               or "handle of zero" in proc.stderr)):
+                raise ClusterError(self._explain(cmd, proc).replace("; nothing of", "; cap unchanged on"))
+        self.node_bw = bits
+
+    def set_tier_rates(self, rates: Sequence[str | int | None]) -> None:
+        """One tc rate per tier, innermost first, as ``from_tiers`` takes them: ``("none", "2gbit", "250mbit")``."""
+        _, _, _, node_bits, inter_bits = check_tiers(self.tiers, rates)
+        if self.groups_per_node > 1:
+            self.set_node_bandwidth(node_bits)
+        self.set_bandwidth(inter_bits)
+
     def bandwidth(self) -> int | None:
         """The cap in force (bits/s, read from tc on node 0's uplink), or None if uncapped."""
         return self.link_caps()[0]["uplink"]
 
-    def link_caps(self) -> list[dict[str, int | None]]:
-        """Per node, the tbf rate (bits/s, or None) on its uplink and on its switch port, as tc reports them."""
+    def link_caps(self) -> list[dict]:
+        """Per node, the tbf rate (bits/s, or None) on its uplink and on its switch port, as tc reports them; with
+        three tiers also ``groups``: per group, the rate on its link to the node bridge and on the bridge's port."""
         caps = []
         for i in range(self.nodes):
-            caps.append({"uplink": self._tbf_rate(node_namespace(self.name, i), IFNAME),
-                         "port": self._tbf_rate(switch_namespace(self.name), port_name(i))})
+            cap: dict = {"uplink": self._tbf_rate(node_namespace(self.name, i), IFNAME),
+                         "port": self._tbf_rate(switch_namespace(self.name), port_name(i))}
+            if self.groups_per_node > 1:
+                cap["groups"] = [{"uplink": self._tbf_rate(group_namespace(self.name, i, j), IFNAME),
+                                  "port": self._tbf_rate(node_namespace(self.name, i), group_port_name(j))}
+                                 for j in range(self.groups_per_node)]
+            caps.append(cap)
         return caps
 
     def _tbf_rate(self, ns: str, dev: str) -> int | None:
@@ -563,11 +774,34 @@ class EmulatedCluster:
         return node
 
     def node_address(self, node: int) -> str:
-        """The IPv4 address of node ``node``'s NIC (ranks of that node bind to it)."""
-        return node_address(self._check_node(node))
+        """The IPv4 address of node ``node``'s NIC (ranks of that node bind to it); with three tiers, of its first
+        group's NIC (the node's bridge has no address)."""
+        return node_address(self._check_node(node) * self.groups_per_node)
 
     def node_namespace(self, node: int) -> str:
+        """Node ``node``'s namespace: where its ranks run, or with three tiers its bridge and uplink."""
         return node_namespace(self.name, self._check_node(node))
+
+    def group_namespace(self, node: int, group: int) -> str:
+        """Three tiers: the namespace of group ``group`` of node ``node``."""
+        if not isinstance(group, int) or not 0 <= group < self.groups_per_node or self.groups_per_node == 1:
+            raise ClusterError(f"group {group!r} is not in this cluster's {self.groups_per_node} group(s) per node "
+                               "(groups exist with three tiers)")
+        return group_namespace(self.name, self._check_node(node), group)
+
+    def rank_namespace(self, rank: int) -> str:
+        """Where rank ``rank`` runs: its node's namespace, or with three tiers its group's."""
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ClusterError(f"rank {rank!r} is not in this cluster of {self.world_size} ranks")
+        node, local = divmod(rank, self.ranks_per_node)
+        if self.groups_per_node == 1:
+            return node_namespace(self.name, node)
+        return group_namespace(self.name, node, local // self.ranks_per_group)
+
+    def rank_address(self, rank: int) -> str:
+        """The address rank ``rank`` binds to (its node's, or with three tiers its group's, NIC)."""
+        self.rank_namespace(rank)
+        return node_address(rank // self.ranks_per_group if self.groups_per_node > 1 else rank // self.ranks_per_node)
 
     def node_command(self, node: int, argv: Sequence[str]) -> list[str]:
         """``argv`` wrapped to run inside node ``node`` (``ip netns exec``, which also shows that node's /sys)."""
@@ -578,25 +812,45 @@ class EmulatedCluster:
         return subprocess.run(self.node_command(node, argv), **kwargs)
 
     def nic_bytes(self) -> dict[int, dict[str, int]]:
-        """Bytes each node's NIC has sent and received so far: ``{node: {"tx": ..., "rx": ...}}``."""
+        """Bytes each node's NIC (its uplink to the switch) has sent and received so far:
+        ``{node: {"tx": ..., "rx": ...}}``."""
+        return {i: self._read_counters(node_namespace(self.name, i), f"node {i}") for i in range(self.nodes)}
+
+    def group_nic_bytes(self) -> dict[int, list[dict[str, int]]]:
+        """Three tiers: per node, the bytes each group's NIC (its link to the node bridge) has sent and received."""
+        return {i: [self._read_counters(group_namespace(self.name, i, j), f"group {j} of node {i}")
+                    for j in range(self.groups_per_node)] for i in range(self.nodes)} \
+            if self.groups_per_node > 1 else {}
+
+    def tier_nic_bytes(self) -> dict[str, dict[int, dict[str, int]]]:
+        """Bytes sent and received so far on each capped tier's links, per node: ``{"world": {node: {"tx", "rx"}}}``
+        from the node uplinks, and with three tiers ``"node"``: the node's group links minus what went on through
+        its uplink (the traffic between the node's groups). Counters are cumulative: take differences."""
+        world = self.nic_bytes()
+        tiers = {"world": world}
+        if self.groups_per_node > 1:
+            groups = self.group_nic_bytes()
+            tiers["node"] = {i: {d: sum(g[d] for g in groups[i]) - world[i][d] for d in ("tx", "rx")}
+                             for i in range(self.nodes)}
+        return tiers
+
+    def _read_counters(self, ns: str, what: str) -> dict[str, int]:
         stats = f"/sys/class/net/{IFNAME}/statistics"
-        counts = {}
-        for i in range(self.nodes):
-            proc = self.run_in_node(i, ["cat", f"{stats}/tx_bytes", f"{stats}/rx_bytes"], capture_output=True,
-                                    text=True)
-            if proc.returncode != 0:
-                raise ClusterError(f"cannot read node {i}'s NIC counters: {proc.stderr.strip()} (is cluster "
-                                   f"{self.name!r} up?)")
-            tx, rx = (int(v) for v in proc.stdout.split())
-            counts[i] = {"tx": tx, "rx": rx}
-        return counts
+        proc = subprocess.run([self.tools["ip"], "netns", "exec", ns, "cat", f"{stats}/tx_bytes",
+                               f"{stats}/rx_bytes"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise ClusterError(f"cannot read {what}'s NIC counters: {proc.stderr.strip()} (is cluster "
+                               f"{self.name!r} up?)")
+        tx, rx = (int(v) for v in proc.stdout.split())
+        return {"tx": tx, "rx": rx}
 
     # -- jobs ---------------------------------------------------------------------------------------------------
 
     def launch(self, argv: Sequence[str], env: dict[str, str] | None = None, *, timeout: float | None = 600.0,
                echo: bool = False, port: int | None = None, cwd: str | os.PathLike | None = None
                ) -> list[RankResult]:
-        """Run ``argv`` once per rank like torchrun would, rank r inside node r // ranks_per_node; wait for all.
+        """Run ``argv`` once per rank like torchrun would, rank r inside node r // ranks_per_node (with three
+        tiers inside its group's namespace, ``rank_namespace``); wait for all.
 
         Each rank gets MASTER_ADDR (node 0), MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
         GROUP_RANK/NODE_RANK and GLOO_SOCKET_IFNAME on top of os.environ and ``env`` (OMP_NUM_THREADS is 1 unless
@@ -615,9 +869,10 @@ class EmulatedCluster:
         ended: dict[int, float] = {}
         try:
             for rank in range(self.world_size):
-                node = rank // self.ranks_per_node
-                proc = subprocess.Popen(self.node_command(node, list(argv)), cwd=cwd, text=True, errors="replace",
-                                        env={**base, **rank_env(rank, self.nodes, self.ranks_per_node, port)},
+                argv_in_ns = [self.tools["ip"], "netns", "exec", self.rank_namespace(rank), *argv]
+                proc = subprocess.Popen(argv_in_ns, cwd=cwd, text=True, errors="replace",
+                                        env={**base, **rank_env(rank, self.nodes, self.ranks_per_node, port,
+                                                                self.groups_per_node, self.name)},
                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         start_new_session=True)
                 procs.append(proc)
@@ -689,6 +944,23 @@ def down_all() -> list[str]:
 
 # ---------------------------------------------------------------------------------------------------------------
 # The check job: runs on every rank (``python -m tiershard.cluster allreduce``)
+
+
+def read_node_uplink() -> dict[str, int]:
+    """Inside a rank of a three-tier cluster: bytes its node's uplink has sent and received so far, read in the
+    node's namespace (``TIERSHARD_NODE_NETNS``; the rank's own namespace shows only its group's NIC)."""
+    ns = os.environ.get(NODE_NETNS_ENV, "")
+    if not NAMESPACE_RE.match(ns):
+        raise ClusterError(f"{NODE_NETNS_ENV}={ns!r} does not name a cluster node's namespace: this reads a node's "
+                           "uplink from a rank launched on a three-tier EmulatedCluster, which sets it")
+    ip = shutil.which("ip", path=os.pathsep.join([os.environ.get("PATH", ""), *SBIN])) or "ip"
+    stats = f"/sys/class/net/{IFNAME}/statistics"
+    proc = subprocess.run([ip, "netns", "exec", ns, "cat", f"{stats}/tx_bytes", f"{stats}/rx_bytes"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ClusterError(f"cannot read {ns}'s uplink counters: {proc.stderr.strip()}")
+    tx, rx = (int(v) for v in proc.stdout.split())
+    return {"tx": tx, "rx": rx}
 
 
 def _read_nic() -> tuple[int, int]:

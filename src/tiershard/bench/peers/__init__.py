@@ -67,7 +67,7 @@ def _build_tiershard(setup: Setup) -> Runner:
     import tiershard as ts
 
     plan = setup.system.split(":", 1)[1]
-    topo = ts.Topology((setup.ranks_per_node, setup.world))
+    topo = ts.Topology(setup.tiers or (setup.ranks_per_node, setup.world))
     model = ts.shard(setup.model(), plan, topo, wrap={Block}, param_dtype=setup.param_dtype,
                      reduce_dtype=setup.reduce_dtype)
     return _Tiershard(model, setup.optimizer(model.parameters()), setup)
@@ -152,8 +152,10 @@ class Trainer:
 def make_trainer(system: str, model_cfg: GPTConfig, micro_steps: int = 1, batch_per_rank: int = 2,
                  seq: int | None = None, seed: int = 0, ranks_per_node: int | None = None,
                  param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype | None = None,
-                 optimizer: str = "adamw", lr: float = 1e-3, weight_decay: float = 0.01) -> Trainer:
-    """Build ``system`` on this rank (every rank calls it); see :func:`train_steps` for the arguments."""
+                 optimizer: str = "adamw", lr: float = 1e-3, weight_decay: float = 0.01,
+                 tiers: tuple[int, ...] | None = None) -> Trainer:
+    """Build ``system`` on this rank (every rank calls it); see :func:`train_steps` for the arguments. ``tiers``
+    (e.g. ``(2, 4, 8)``) is tiershard's topology, by default ``(ranks_per_node, world)``."""
     if system not in SYSTEMS[:-1] and not system.startswith("tiershard:"):
         raise ValueError(f"unknown system {system!r}: choose one of {', '.join(SYSTEMS)}")
     if system == "single":
@@ -177,7 +179,7 @@ def make_trainer(system: str, model_cfg: GPTConfig, micro_steps: int = 1, batch_
     setup = Setup(system=system, model_cfg=model_cfg, micro_steps=micro_steps, batch_per_rank=batch_per_rank,
                   seq=seq, seed=seed, rank=rank, world=world, ranks_per_node=rpn, param_dtype=param_dtype,
                   reduce_dtype=reduce_dtype or param_dtype, optimizer_name=optimizer, lr=lr,
-                  weight_decay=weight_decay)
+                  weight_decay=weight_decay, tiers=tuple(tiers) if tiers else None)
     return Trainer(setup)
 
 

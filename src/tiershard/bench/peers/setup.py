@@ -29,6 +29,7 @@ class Setup:
     optimizer_name: str
     lr: float
     weight_decay: float
+    tiers: tuple[int, ...] | None = None     # tiershard's topology; None: (ranks_per_node, world)
 
     def model(self) -> GPT:
         """The fp32 GPT every system starts from: the same weights on every rank and in every system."""
