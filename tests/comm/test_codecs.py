@@ -816,6 +816,24 @@ _TRITON_SCRIPT = textwrap.dedent("""
             total = torch.empty(n)
             T.decode_wire_sum_seg(codec, ref, k, n, total, lay)
             assert same_bits(total, codec.decode_wire_sum(ref, k, n, segments=segs)), (codec, segs, dtype)
+    # the general path of the rotated and stochastic formats, flat and with a row layout
+    from tiershard.comm.codecs import codec_from_spec
+    for spec in ("int8:128:h", "int4:37:h:sr", "int4:64:h", "int8:100:sr"):
+        codec = codec_from_spec(spec)
+        for segs, k, n in ((None, 3, 203), ((1, 64, 37, 3, 34), 2, 2 * 139)):
+            lay = None if segs is None else _layout(codec.block, segs)
+            x = (torch.randn(k * n, generator=g) * 3).to(torch.bfloat16)
+            x[7], x[95] = float("nan"), float("inf")
+            order = torch.tensor(list(range(k))[::-1])
+            ref = codec.encode_wire(x, k, order=order.tolist(), segments=segs, seed=99)
+            wire = torch.full_like(ref, 77)
+            T.encode_wire_x(codec, x, k, n, wire, order, lay, 99 if codec.stochastic else None)
+            assert torch.equal(wire, ref), (spec, segs)
+            out, total = torch.empty(k * n), torch.empty(n)
+            T.decode_wire_x(codec, ref, k, n, out, lay, False)
+            T.decode_wire_x(codec, ref, k, n, total, lay, True)
+            assert same_bits(out, codec.decode_wire(ref, k, n, segments=segs)), (spec, segs)
+            assert same_bits(total, codec.decode_wire_sum(ref, k, n, segments=segs)), (spec, segs)
     # the dispatch from the wire API (what a CUDA tensor takes), here forced onto the interpreted kernels
     from tiershard.comm.codecs import block  # the wire API calls the backend choosers it imported from backends
     segs, x = (1, 64, 37, 3, 34), (torch.randn(2 * 139, generator=g) * 3).to(torch.bfloat16)
@@ -837,3 +855,151 @@ def test_triton_kernels_match_in_interpreter() -> None:
     proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "triton kernels match" in proc.stdout
+
+
+# ---- rotated (":h") and stochastic (":sr") formats ----------------------------------------------------------------
+EXTENDED = [codec_from_spec(s) for s in ("int8:128:h", "int4:64:h", "int4:37:h:sr", "int8:100:sr", "int4:5:h",
+                                          "int8:2048:h:sr")]
+SEED = 0xDEADBEEF12345678
+
+
+def _hadamard32() -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < 32:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def test_rotation_is_the_normalized_hadamard_transform_and_its_own_inverse() -> None:
+    from tiershard.comm.codecs import reference
+
+    x = torch.randn(10, 32, generator=torch.Generator().manual_seed(3))
+    exact = (x.double() @ _hadamard32().T) / math.sqrt(32)
+    assert torch.allclose(reference.fwht(x).double(), exact, atol=1e-5)
+    assert torch.allclose(reference.fwht(reference.fwht(x)), x, atol=1e-5)
+
+
+def test_spec_flags_round_trip_and_hop_codecs() -> None:
+    from tiershard.comm.codecs import hop_codecs
+
+    assert codec_from_spec("int4:128:h:sr") == BlockCodec(4, 128, rotate=True, stochastic=True)
+    assert codec_from_spec("int8:128:h") == BlockCodec(8, 128, True, False)
+    assert codec_from_spec("4:sr") == BlockCodec(4, 64, False, True) and codec_from_spec("8") == INT8
+    assert codec_from_spec("int4:sr:h").spec == "int4:64:h:sr"
+    for c in EXTENDED + CODECS:
+        assert codec_from_spec(c.spec) == c
+    for bad in ["int4:h:h", "int4:128:x", "int4:sr:128", "int8:128:h+ef", "8/4", "int4:128:hsr"]:
+        with pytest.raises(ValueError, match="valid specs|per-hop list"):
+            codec_from_spec(bad)
+    i8, i4 = codec_from_spec("int8:128:h"), codec_from_spec("int4:128:h")
+    assert hop_codecs("int8:128:h/int4:128:h", 2) == [i8, i4]
+    assert hop_codecs("8/4", 3) == [INT8, INT8, INT4]
+    assert hop_codecs("int4", 3) == [INT4] * 3
+    assert hop_codecs("4:128/8/4", 4) == [BlockCodec(4, 128), BlockCodec(4, 128), INT8, INT4]
+    with pytest.raises(ValueError, match="3 hop codecs but there are only 2 tiers"):
+        hop_codecs("8/8/4", 2)
+    with pytest.raises(ValueError, match="valid specs"):
+        hop_codecs("8//4", 2)
+
+
+def _extended_cases(codecs, layouts, sizes, threads: int, monkeypatch, dtypes=DTYPES) -> None:
+    """Every codec on every (layout, (k, n)): the C kernels (on ``threads`` threads) against the reference."""
+    before = torch.get_num_threads()
+    try:
+        for ci, codec in enumerate(codecs):
+            for li, (segs, (k, n)) in enumerate(zip(layouts, sizes)):
+                for dtype in dtypes:
+                    x = _awkward(k * n, dtype, seed=100 * ci + li)
+                    order = list(reversed(range(k)))
+                    torch.set_num_threads(threads)
+                    fused = codec.encode_wire(x, k, order=order, segments=segs, seed=SEED)
+                    dec = {d: codec.decode_wire(fused, k, n, dtype=d, segments=segs) for d in DTYPES}
+                    total = codec.decode_wire_sum(fused, k, n, segments=segs)
+                    torch.set_num_threads(before)
+                    with monkeypatch.context() as m:
+                        m.setattr(backends, "_force_reference", True)
+                        ref = codec.encode_wire(x, k, order=order, segments=segs, seed=SEED)
+                        ref_dec = {d: codec.decode_wire(ref, k, n, dtype=d, segments=segs) for d in DTYPES}
+                        ref_sum = codec.decode_wire_sum(ref, k, n, segments=segs)
+                        enc_ref = codec.encode(x, seed=SEED) if segs is None else None
+                    assert torch.equal(fused, ref), (codec, segs, k, n, dtype)
+                    for d in DTYPES:
+                        assert same_bits(dec[d], ref_dec[d]), (codec, segs, dtype, d)
+                    assert same_bits(total, ref_sum), (codec, segs)
+                    if enc_ref is not None:
+                        enc = codec.encode(x, seed=SEED)
+                        assert torch.equal(enc.payload, enc_ref.payload) and same_bits(enc.scales, enc_ref.scales)
+                        with monkeypatch.context() as m:
+                            m.setattr(backends, "_force_reference", True)
+                            dec_ref = codec.decode(enc_ref, dtype=dtype)
+                        assert same_bits(codec.decode(enc, dtype=dtype), dec_ref), (codec, dtype)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the codecs run on the reference path only")
+def test_rotated_and_stochastic_kernels_equal_reference_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C general path against the torch reference: flat chunks and row layouts, fp32/bf16/fp16, odd sizes,
+    blocks shorter than a rotation group, tails, non-finite and subnormal values; encode, decode, decode-sum and
+    the separate payload/scales API."""
+    assert backends._cpu_kernels() is not None, backends.kernel_status()
+    layouts = [None, None, (1, 64, 37, 96, 3, 33, 128), (300,), (7, 1, 29)]
+    sizes = [(3, 1001), (2, 9001), (3, 2 * 362), (2, 3 * 300), (1, 37)]
+    _extended_cases(EXTENDED, layouts, sizes, 1, monkeypatch)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the codecs run on the reference path only")
+def test_rotated_and_stochastic_kernels_on_two_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Work units split across threads (over 64K values): int4 units start on even values, odd blocks included."""
+    codecs = [codec_from_spec("int4:37:h:sr"), codec_from_spec("int8:128:h")]
+    _extended_cases(codecs, [None, (7, 1, 29)], [(2, 40001), (2, 37 * 1001)], 2, monkeypatch, [torch.bfloat16])
+
+
+@pytest.mark.parametrize("spec", ["int8:128:h", "int4:64:h", "int4:37:h", "int4:128:h:sr"])
+def test_rotated_roundtrip_within_the_l2_bound_per_block(backend: str, spec: str) -> None:
+    """format.py: ||x - x_hat||_2 <= sqrt(m) * scale / 2 per block (nearest; one step, not half, with sr), scale
+    taken from the rotated values; blocks shorter than a group keep the unrotated half-step bound per element."""
+    codec = codec_from_spec(spec)
+    n = 5 * codec.block + 17
+    x = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 3
+    x[::53] *= 30
+    enc = codec.encode(x, seed=9)
+    err = (codec.decode(enc) - x).double()
+    step = 1.0 if codec.stochastic else 0.5
+    for b, scale in enumerate(enc.scales.tolist()):
+        e = err[b * codec.block:(b + 1) * codec.block]
+        assert e.norm() <= math.sqrt(e.numel()) * scale * step * (1 + 1e-5) + 1e-6, (spec, b)
+    tail = n % codec.block % 32
+    assert (err[n - tail:].abs() <= enc.scales[-1] * step * (1 + 1e-5)).all()
+
+
+def test_rotation_lowers_int4_error_on_gradient_like_data() -> None:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64 * 1024, generator=g)
+    x[torch.randint(0, x.numel(), (64,), generator=g)] *= 50            # a few outliers
+    errors = {}
+    for spec in ("int4:128", "int4:128:h"):
+        c = codec_from_spec(spec)
+        errors[spec] = ((c.decode(c.encode(x)) - x).norm() / x.norm()).item()
+    assert errors["int4:128:h"] < 0.9 * errors["int4:128"], errors
+
+
+def test_stochastic_rounding_needs_a_seed_is_reproducible_and_unbiased(backend: str) -> None:
+    codec = codec_from_spec("int4:64:h:sr")
+    x = torch.randn(3 * 64 + 5, generator=torch.Generator().manual_seed(4))
+    with pytest.raises(ValueError, match="needs a seed"):
+        codec.encode_wire(x, 1)
+    with pytest.raises(ValueError, match="needs a seed"):
+        codec.encode(x)
+    a, b, other = (codec.encode_wire(x, 1, seed=s) for s in (7, 7, 8))
+    assert torch.equal(a, b) and not torch.equal(a, other)
+    assert torch.equal(INT4.encode_wire(x, 1, seed=7), INT4.encode_wire(x, 1))   # nearest codecs ignore a seed
+    # unbiased: the mean over S seeds approaches x (within 5 standard errors of one step / sqrt(S)); nearest
+    # rounding's bias on the same values does not shrink
+    S = 256
+    mean = sum(codec.decode_wire(codec.encode_wire(x, 1, seed=s), 1, x.numel()) for s in range(S)) / S
+    scale = codec.encode(x, seed=0).scales.max().item()
+    assert (mean - x).abs().max() < 5 * scale / math.sqrt(S) + 1e-6, (mean - x).abs().max()
+    plain = codec_from_spec("int4:64:h")
+    bias = (plain.decode(plain.encode(x)) - x).abs().max()
+    assert bias > 3 * (mean - x).abs().max()

@@ -43,12 +43,27 @@ def launches(monkeypatch):
     sys.modules.pop("tiershard.comm.codecs.triton_kernels", None)
 
 
-@pytest.mark.parametrize("codec", [INT4, INT8, BlockCodec(8, 8192), BlockCodec(4, 8192)], ids=lambda c: c.spec)
+@pytest.mark.parametrize("codec", [INT4, INT8, BlockCodec(8, 8192), BlockCodec(4, 8192),
+                                   BlockCodec(8, 128, True, False), BlockCodec(4, 128, True, True)],
+                         ids=lambda c: c.spec)
 def test_grids_fit_cuda_limits_for_a_70b_layer_on_8_ranks(launches, codec):
     kernels, grids = launches
     k, n = 8, 1 << 28                       # 2**31 values split over 8 ranks: the reduce-scatter of a 70B layer
     x = torch.empty(k * n, dtype=torch.bfloat16, device="meta")
     wire = torch.empty(k * codec.wire_bytes(n), dtype=torch.uint8, device="meta")
+    if codec.rotate or codec.stochastic:    # the general path of the rotated and stochastic formats
+        lay = _layout(codec.block, (3000, 7, 1 << 20))
+        m = n // lay.U * lay.U
+        seg_wire = torch.empty(k * codec.wire_bytes(m, (3000, 7, 1 << 20)), dtype=torch.uint8, device="meta")
+        kernels.encode_wire_x(codec, x, k, n, wire, None, None, 5 if codec.stochastic else None)
+        kernels.decode_wire_x(codec, wire, k, n, torch.empty(k * n, device="meta"), None, False)
+        kernels.decode_wire_x(codec, wire, k, n, torch.empty(n, device="meta"), None, True)
+        kernels.encode_wire_x(codec, torch.empty(k * m, device="meta"), k, m, seg_wire, None, lay, None)
+        kernels.decode_wire_x(codec, seg_wire, k, m, torch.empty(m, device="meta"), lay, True)
+        assert len(grids) >= 5
+        assert [(name, grid) for name, grid in grids if any(axis > AXIS_LIMIT for axis in grid[1:])] == []
+        assert max(grid[0] for _, grid in grids) > AXIS_LIMIT
+        return
     kernels.encode_wire(codec, x, k, n, wire, None)
     kernels.decode_wire(codec, wire, k, n, torch.empty(k * n, device="meta"))
     kernels.decode_wire_sum(codec, wire, k, n, torch.empty(n, device="meta"))

@@ -10,18 +10,30 @@ that chunk into the slots of its tier-``k`` cross group, quantizes each slot onc
 input, in member order), sends slot ``i`` to the member owning it, then decodes what it receives and sums in
 fp32 in the same pass. Blocks follow the parameters of each row (``segments``), never spanning two. After the
 last hop it holds exactly its level-``b`` chunk: the ownership map is the
-"slice reordering" of ZeRO++, so no data is permuted. Error feedback (``+ef``) adds each hop's quantization
-residual of the previous reduction to the next one before quantizing.
+"slice reordering" of ZeRO++, so no data is permuted. Each tier has its own codec (SDP4Bit's default: int8 with
+rotation inside a node, int4 with rotation across nodes): a hop decodes what it receives, sums in fp32 and the next
+hop re-encodes with its own codec, so nothing is summed in low precision and the fine int4 steps are taken once, on
+the slow tier only. Error feedback (``+ef``) adds each hop's quantization residual of the previous reduction to the
+next one before quantizing.
+
+[Note: qgZ seeds] Stochastic codecs need a key per encode. Each hop's key is a hash of (the reducer's ``seed``, its
+call counter for this ``key``, ``key``, the hop's tier, this rank, and the pipeline chunk): two runs with the same
+seed and the same calls give the same bits, every rank and hop draws its own stream, and the counters travel in
+``state_dict()`` so a resumed run continues the sequence.
 
 [Note: qgZ pipeline] With two hops or more the buffer is cut into column chunks at parameter boundaries
 (``pipeline_chunks``) and the hops run as a wavefront: while chunk c crosses the slow tier, chunk c+1 crosses
 the fast one, as ZeRO++ pipelines its intra- and inter-node all-to-alls. Blocks never span parameters and each
 member's sum adds the same values in the same order, so the result is bit-identical to running the hops one
-after the other; only the 4-byte padding of each chunk's payload differs (``cost/traffic.py`` counts it).
+after the other with round-half-even codecs; only the 4-byte padding of each chunk's payload differs
+(``cost/traffic.py`` counts it). Stochastic codecs draw a stream per pipeline chunk ([Note: qgZ seeds]), so their
+pipelined result is as unbiased as the sequential one but not the same bits.
 """
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,9 +54,9 @@ class QuantizedGather:
     def __init__(self, codec: BlockCodec):
         self.codec = codec
 
-    def encode(self, shard: torch.Tensor) -> torch.Tensor:
-        """The wire encoding of one chunk (a rank's level-p shard)."""
-        return self.codec.encode_wire(shard.view(-1), 1)
+    def encode(self, shard: torch.Tensor, seed: int | None = None) -> torch.Tensor:
+        """The wire encoding of one chunk (a rank's level-p shard); ``seed`` keys a stochastic codec."""
+        return self.codec.encode_wire(shard.view(-1), 1, seed=seed)
 
     def gather(self, wire: torch.Tensor, group: "TierGroup", chunks: int, chunk_numel: int,
                topology: "Topology", op: str) -> torch.Tensor:
@@ -85,44 +97,125 @@ def pipeline_chunks(segments: tuple[int, ...] | None, chunks: int | None = None)
 
 
 class QuantizedReduceScatter:
-    """qgZ: reduce-scatter as one quantized all-to-all per tier, fp32 sums between hops ([Note: qgZ hops])."""
+    """qgZ: reduce-scatter as one quantized all-to-all per tier, fp32 sums between hops ([Note: qgZ hops]).
 
-    def __init__(self, codec: BlockCodec, error_feedback: bool = False):
-        self.codec = codec
+    ``codecs``: one codec for every tier, or one per tier (``codecs[k-1]`` for the hop over tier k, e.g. from
+    ``codecs.hop_codecs(spec, tiers)``). ``seed`` keys stochastic codecs ([Note: qgZ seeds])."""
+
+    def __init__(self, codecs: BlockCodec | Sequence[BlockCodec], error_feedback: bool = False, seed: int = 0):
+        if isinstance(codecs, BlockCodec):
+            per_tier: tuple[BlockCodec, ...] | None = None
+        else:
+            per_tier = tuple(codecs)
+            if not per_tier or not all(isinstance(c, BlockCodec) for c in per_tier):
+                raise ValueError(f"codecs must be a BlockCodec or a non-empty sequence of them (one per tier, "
+                                 f"innermost first), got {codecs!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        self.codec = codecs if per_tier is None else per_tier[0]
+        self.codecs = per_tier
         self.error_feedback = error_feedback
-        self.residuals: dict[tuple, torch.Tensor] = {}
+        self.seed = seed
+        self.counters: dict[str, int] = {}           # repr(key) -> calls so far
+        self.residuals: dict[str, torch.Tensor] = {}  # "repr(key)@tier" -> the last residual of that hop
+
+    def codec_for(self, tier: int) -> BlockCodec:
+        """The codec of the hop over ``tier`` (1 = innermost)."""
+        if self.codecs is None:
+            return self.codec
+        if not 1 <= tier <= len(self.codecs):
+            raise ValueError(f"no codec for the hop over tier {tier}: {len(self.codecs)} codecs were given "
+                             f"({'/'.join(c.spec for c in self.codecs)}); give one per tier (hop_codecs(spec, tiers))")
+        return self.codecs[tier - 1]
+
+    @staticmethod
+    def _tiers(hops: list["TierGroup"], topology: "Topology", first_tier: int | None) -> list[int]:
+        """The tier of each hop: ``first_tier`` onwards, or found by matching the groups against the topology's."""
+        if first_tier is not None:
+            return list(range(first_tier, first_tier + len(hops)))
+        rank, found = topology.rank, []
+        for index, group in enumerate(hops):
+            tier = next((k for k in range(1, topology.num_levels) if topology.group_for(rank, k - 1, k) == group), None)
+            if tier is None:
+                raise ValueError(f"hop {index} ({group.ranks}) is not the cross group of any tier of {topology}: "
+                                 "pass first_tier= (the tier of hops[0])")
+            found.append(tier)
+        return found
+
+    def _hop_seed(self, name: str, call: int, tier: int, rank: int, run: int | None = None) -> int:
+        """[Note: qgZ seeds] a 64-bit key from (seed, call counter, key, tier, rank, pipeline chunk)."""
+        text = repr((self.seed, call, name, tier, rank, run)).encode()
+        return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
 
     def __call__(self, full: torch.Tensor, hops: list["TierGroup"], topology: "Topology", op: str,
-                 key: object = None, segments: tuple[int, ...] | None = None) -> torch.Tensor:
-        """Sum ``full`` (this rank's level-``a`` chunk) over the hops; returns this rank's fp32 level-``b`` chunk.
+                 key: object = None, segments: tuple[int, ...] | None = None,
+                 first_tier: int | None = None) -> torch.Tensor:
+        """Sum ``full`` (this rank's level-``a`` chunk) over the hops (tiers a+1..b, innermost first); returns this
+        rank's fp32 level-``b`` chunk.
 
         ``segments``: the parameters' widths in a row of the slot-major buffer, so that no quantization block
-        spans two parameters (a norm's gain never shares a scale with a weight matrix)."""
+        spans two parameters (a norm's gain never shares a scale with a weight matrix). ``key`` names the
+        reduction (its call counter and residuals); ``first_tier``: the tier of ``hops[0]`` (found from the
+        topology when None)."""
+        tiers = self._tiers(hops, topology, first_tier)
+        codecs = [self.codec_for(t) for t in tiers]
+        name = repr(key)
+        call = self.counters.get(name, 0)
+        self.counters[name] = call + 1
         buf = full.to(torch.float32)
-        active = [group for group in hops if group.size > 1]
+        active = [(group, codec, tier) for group, codec, tier in zip(hops, codecs, tiers) if group.size > 1]
         runs = pipeline_chunks(segments)
         if len(active) > 1 and len(runs) > 1 and not self.error_feedback:
-            return self._pipelined(buf, active, topology, op, segments, runs)
-        for index, group in enumerate(hops):
-            if group.size == 1:
-                continue
+            return self._pipelined(buf, active, topology, op, segments, runs, name, call)
+        for group, codec, tier in active:
+            ef_key = f"{name}@{tier}"
             if self.error_feedback:
-                residual = self.residuals.get((key, index))
+                residual = self.residuals.get(ef_key)
                 if residual is not None:
                     buf = buf + residual
-            buf = self._hop(buf, group, topology, op, (key, index), segments)
+            seed = self._hop_seed(name, call, tier, topology.rank) if codec.stochastic else None
+            buf = self._hop(buf, group, codec, seed, topology, op, ef_key, segments)
         return buf
 
-    def _pipelined(self, buf: torch.Tensor, hops: list["TierGroup"], topology: "Topology", op: str,
-                   segments: tuple[int, ...], runs: list[tuple[int, ...]]) -> torch.Tensor:
-        """The hops as a wavefront over column chunks ([Note: qgZ pipeline])."""
-        codec, width = self.codec, sum(segments)
+    def state_dict(self) -> dict:
+        """The call counters and error-feedback residuals (plain ints and tensors), for a checkpoint."""
+        return {"counters": dict(self.counters), "residuals": dict(self.residuals)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned (checked first; nothing changes on bad input)."""
+        if not isinstance(state, dict) or set(state) != {"counters", "residuals"}:
+            raise ValueError("state must be a dict with exactly the keys 'counters' and 'residuals', as "
+                             f"QuantizedReduceScatter.state_dict() returns; got {state!r:.200}")
+        counters, residuals = state["counters"], state["residuals"]
+        if not all(isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in counters.items()):
+            raise ValueError("state['counters'] must map key names to non-negative ints")
+        if not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in residuals.items()):
+            raise ValueError("state['residuals'] must map hop names to tensors")
+        if residuals and not self.error_feedback:
+            raise ValueError("state holds error-feedback residuals but this reducer has error_feedback=False: "
+                             "build it with error_feedback=True to resume them")
+        self.counters = dict(counters)
+        self.residuals = dict(residuals)
+
+    def residual_bytes(self) -> int:
+        """Bytes the error-feedback residuals hold now."""
+        return sum(t.numel() * t.element_size() for t in self.residuals.values())
+
+    def _pipelined(self, buf: torch.Tensor, hops: list[tuple], topology: "Topology", op: str,
+                   segments: tuple[int, ...], runs: list[tuple[int, ...]], name: str, call: int) -> torch.Tensor:
+        """The hops (group, codec, tier) as a wavefront over column chunks ([Note: qgZ pipeline])."""
+        width = sum(segments)
+        per_group = {id(group): (codec, tier) for group, codec, tier in hops}
+        groups = [group for group, _, _ in hops]
         rows = buf.numel() // width
         starts = [sum(sum(r) for r in runs[:i]) for i in range(len(runs))]
         state = [buf.view(rows, width)[:, a:a + sum(r)].contiguous().view(-1) for a, r in zip(starts, runs)]
 
         def issue(c: int, group: "TierGroup"):
-            wire = codec.encode_wire(state[c], group.size, order=C._slot_index(group, buf.device), segments=runs[c])
+            codec, tier = per_group[id(group)]
+            seed = self._hop_seed(name, call, tier, topology.rank, c) if codec.stochastic else None
+            wire = codec.encode_wire(state[c], group.size, order=C._slot_index(group, buf.device), segments=runs[c],
+                                     seed=seed)
             received = torch.empty_like(wire)
             work = dist.all_to_all_single(received, wire, group=group.pg, async_op=True)
             LEDGER.record(op, "all_to_all", group.ranks, wire.numel(), topology.rank, topology)
@@ -130,21 +223,22 @@ class QuantizedReduceScatter:
 
         def finish(c: int, group: "TierGroup", received: torch.Tensor) -> None:
             k = group.size
+            codec = per_group[id(group)][0]
             state[c] = codec.decode_wire_sum(received, k, state[c].numel() // k, segments=runs[c])
 
-        C.wavefront(len(runs), hops, issue, finish, topology, op)
-        out_rows = rows // math.prod(group.size for group in hops)
+        C.wavefront(len(runs), groups, issue, finish, topology, op)
+        out_rows = rows // math.prod(group.size for group in groups)
         out = torch.empty(out_rows, width, dtype=torch.float32, device=buf.device)
         for a, r, part in zip(starts, runs, state):
             out[:, a:a + sum(r)] = part.view(out_rows, sum(r))
         return out.view(-1)
 
-    def _hop(self, buf: torch.Tensor, group: "TierGroup", topology: "Topology", op: str, ef_key,
-             segments: tuple[int, ...] | None) -> torch.Tensor:
-        codec, k = self.codec, group.size
+    def _hop(self, buf: torch.Tensor, group: "TierGroup", codec: BlockCodec, seed: int | None, topology: "Topology",
+             op: str, ef_key: str, segments: tuple[int, ...] | None) -> torch.Tensor:
+        k = group.size
         n = buf.numel() // k
         order = C._slot_index(group, buf.device)          # input row i goes to member i, who owns slot slots[i]
-        wire = codec.encode_wire(buf, k, order=order, segments=segments)
+        wire = codec.encode_wire(buf, k, order=order, segments=segments, seed=seed)
         if self.error_feedback:
             sent = codec.decode_wire(wire, k, n, segments=segments).view(k, n)
             residual = buf.clone().view(k, n)

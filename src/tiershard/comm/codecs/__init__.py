@@ -6,8 +6,8 @@ these), the choice of backend per call and the kernels' self-check (``backends``
 from __future__ import annotations
 
 from .backends import kernel_status
-from .block import INT4, INT8, BlockCodec, codec_from_spec
+from .block import INT4, INT8, BlockCodec, codec_from_spec, hop_codecs
 from .format import DEFAULT_BLOCKS, Encoded, Order, same_bits
 
-__all__ = ["BlockCodec", "Encoded", "INT8", "INT4", "codec_from_spec", "DEFAULT_BLOCKS", "Order", "kernel_status",
-           "same_bits"]
+__all__ = ["BlockCodec", "Encoded", "INT8", "INT4", "codec_from_spec", "hop_codecs", "DEFAULT_BLOCKS", "Order",
+           "kernel_status", "same_bits"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -93,6 +94,15 @@ def kernel_status() -> dict[str, str]:
     return {"cpu": f"c: {_cpu_reason}" if _cpu_state else f"torch: {_cpu_reason}", "cuda": _triton_reason}
 
 
+class _Spec(NamedTuple):
+    """What the kernels read of a codec (``block.BlockCodec`` imports this module, not the other way round)."""
+
+    bits: int
+    block: int
+    rotate: bool
+    stochastic: bool
+
+
 def _self_check(lib: native.Kernels) -> str | None:
     """Run the fused kernels on a small awkward input against the reference; None if they agree bit for bit."""
     g = torch.Generator().manual_seed(0)
@@ -123,6 +133,29 @@ def _self_check(lib: native.Kernels) -> str | None:
             native.decode(lib, bits, block, fused.data_ptr(), W, fused.data_ptr() + P4, W, k, n, total, True)
             if not same_bits(total, values[0] + values[1] + values[2]):
                 return f"decode_wire_sum {spec} {dtype}"
+    # the general path of the rotated and stochastic formats, flat and with a row layout
+    for codec, segments in ((_Spec(4, 37, True, True), None), (_Spec(8, 64, True, False), (1, 70, 33)),
+                            (_Spec(4, 64, True, True), (1, 70, 33))):
+        n = 2 * sum(segments) if segments else 203
+        lay = _layout(codec.block, segments) if segments else None
+        W, P, P4 = (wire_bytes(codec.bits, codec.block, n, lay), payload_numel(codec.bits, n),
+                    padded_payload_bytes(codec.bits, n))
+        seed = 0x0123456789ABCDEF if codec.stochastic else None
+        x = (torch.randn(k * n, generator=g) * 3)
+        x[9], x[300] = float("nan"), float("inf")
+        fused, ref = torch.empty(k * W, dtype=torch.uint8), torch.empty(k * W, dtype=torch.uint8)
+        native.encode_x(lib, codec, x, k, n, order, lay, fused.data_ptr(), W, fused.data_ptr() + P4, W, P4 - P, seed)
+        views = reference.wire_views(codec.bits, codec.block, ref, k, n, W)
+        reference.encode_rows(codec.bits, codec.block, x, k, n, order, *views, lay, codec.rotate, seed)
+        if not torch.equal(fused, ref):
+            return f"encode {codec} segments={segments}"
+        values = reference.decode(codec.bits, codec.block, views[0], views[1].contiguous().view(torch.float32), n,
+                                  lay, codec.rotate)
+        out, total = torch.empty(k * n), torch.empty(n)
+        native.decode_x(lib, codec, fused.data_ptr(), W, fused.data_ptr() + P4, W, k, n, lay, out, False)
+        native.decode_x(lib, codec, fused.data_ptr(), W, fused.data_ptr() + P4, W, k, n, lay, total, True)
+        if not same_bits(out, values.reshape(-1)) or not same_bits(total, values[0] + values[1] + values[2]):
+            return f"decode {codec} segments={segments}"
     # row layouts: blocks starting on odd values, tiny segments, whole-block runs, two rows per chunk
     segments, rows = (1, 64, 37, 96, 3, 33, 128), 2
     n = rows * sum(segments)

@@ -1,7 +1,9 @@
 """``BlockCodec``: block-wise symmetric absmax quantization for the qwZ (int8 weights) and qgZ (int4 gradients) wire
 formats, whose definition (the bytes, the error bound, row layouts) is the docstring of ``format.py``.
 
-A codec is two numbers (``bits``, ``block``); this module holds its API and sends each call to a backend
+A codec is two numbers (``bits``, ``block``) and two flags (``rotate``: the Hadamard rotation, ``stochastic``:
+stochastic rounding keyed by a ``seed`` the caller passes to every encode); this module holds its API, the spec
+strings (``codec_from_spec``, ``hop_codecs``) and sends each call to a backend
 (``backends.py``): the C kernels (``native.py``), the Triton kernels (``triton_kernels.py``) or the torch reference
 (``reference.py``), which all give the same bits.
 
@@ -13,6 +15,7 @@ collective moves both. The separate payload/scales API (``encode``, ``encode_int
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,26 +23,53 @@ from torch import Tensor
 
 from . import native, reference
 from .backends import _cpu_lib, _gpu_lib
-from .format import (_FLOATS, _QMAX, DEFAULT_BLOCKS, Encoded, Order, Segments, _check_float, _layout, _Layout,
-                     _order_index, padded_payload_bytes, payload_numel, scales_numel, wire_bytes)
+from .format import (_FLOATS, _MASK64, _QMAX, DEFAULT_BLOCKS, Encoded, Order, Segments, _check_float, _layout,
+                     _Layout, _order_index, padded_payload_bytes, payload_numel, scales_numel, wire_bytes)
 
-__all__ = ["BlockCodec", "INT8", "INT4", "codec_from_spec"]
+__all__ = ["BlockCodec", "INT8", "INT4", "codec_from_spec", "hop_codecs"]
 
-_SPEC = re.compile(r"^int(8|4)(?::(\d+))?$")
+_SPEC = re.compile(r"^(?:int)?(8|4)(?::(\d+))?((?::(?:h|sr))*)$")
+_SPEC_HELP = ("valid specs are 'int8' or 'int4' (or '8', '4'), then optionally ':BLOCK' (a positive integer; "
+              f"defaults: int8 {DEFAULT_BLOCKS[8]}, int4 {DEFAULT_BLOCKS[4]}), then optionally ':h' (Hadamard "
+              "rotation) and ':sr' (stochastic rounding), e.g. 'int4:128:h:sr'; per-hop lists join codecs with '/', "
+              "innermost tier first, e.g. 'int8:128:h/int4:128:h'")
 
 
 @dataclass(frozen=True)
 class BlockCodec:
-    """Symmetric absmax quantizer with ``bits`` in {8, 4} and one fp32 scale per ``block`` values."""
+    """Symmetric absmax quantizer with ``bits`` in {8, 4} and one fp32 scale per ``block`` values; ``rotate``
+    applies the Hadamard rotation of 32-value groups before quantizing, ``stochastic`` rounds stochastically with a
+    counter-based hash of the ``seed`` each encode is given (format: ``format.py``)."""
 
     bits: int
     block: int
+    rotate: bool = False
+    stochastic: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in _QMAX:
             raise ValueError(f"bits must be 8 or 4, got {self.bits!r}")
         if not isinstance(self.block, int) or isinstance(self.block, bool) or self.block < 1:
             raise ValueError(f"block must be a positive integer, got {self.block!r}")
+        for name in ("rotate", "stochastic"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    @property
+    def _extended(self) -> bool:
+        """Rotated or stochastic: encoded by the kernels' general path (``ts_encode_x``) rather than the fused one."""
+        return self.rotate or self.stochastic
+
+    def _key(self, seed: int | None) -> int | None:
+        """The 64-bit stochastic-rounding key for one encode (None for round-half-even codecs, which ignore it)."""
+        if not self.stochastic:
+            return None
+        if seed is None:
+            raise ValueError(f"codec {self.spec} rounds stochastically and needs a seed: pass seed=<int> to the "
+                             "encode call (the caller derives one per call, e.g. from a step counter)")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        return seed & _MASK64
 
     @property
     def qmax(self) -> int:
@@ -52,7 +82,7 @@ class BlockCodec:
     @property
     def spec(self) -> str:
         """The spec string that ``codec_from_spec`` turns back into this codec."""
-        return f"int{self.bits}:{self.block}"
+        return f"int{self.bits}:{self.block}" + (":h" if self.rotate else "") + (":sr" if self.stochastic else "")
 
     # ---- sizes: pure functions of numel, identical on every rank (see format.py) -----------------------
     def payload_numel(self, numel: int) -> int:
@@ -74,17 +104,20 @@ class BlockCodec:
         return wire_bytes(self.bits, self.block, numel, None if segments is None else _layout(self.block, segments))
 
     # ---- separate payload / scales API -----------------------------------------------------------------
-    def encode(self, x: Tensor) -> Encoded:
-        """Quantize ``x`` (any shape, flattened; fp32, bf16 or fp16). Blocks holding nan or inf get a nan scale."""
+    def encode(self, x: Tensor, seed: int | None = None) -> Encoded:
+        """Quantize ``x`` (any shape, flattened; fp32, bf16 or fp16). Blocks holding nan or inf get a nan scale.
+        ``seed``: the stochastic-rounding key (required by stochastic codecs, ignored by the others)."""
+        key = self._key(seed)
         x = _check_float(x, "x").view(-1)
         n = x.numel()
         payload = torch.empty(self.payload_numel(n), dtype=self.payload_dtype, device=x.device)
         scales = torch.empty(self.scales_numel(n), dtype=torch.float32, device=x.device)
-        self._encode_flat(x, payload, scales)
+        self._encode_flat(x, payload, scales, key)
         return Encoded(payload, scales, n)
 
-    def encode_into(self, x: Tensor, payload_out: Tensor, scales_out: Tensor) -> None:
+    def encode_into(self, x: Tensor, payload_out: Tensor, scales_out: Tensor, seed: int | None = None) -> None:
         """Quantize ``x`` into preallocated flat buffers (e.g. this rank's slice of an all-gather input)."""
+        key = self._key(seed)
         x = _check_float(x, "x").view(-1)
         n = x.numel()
         if payload_out.numel() != self.payload_numel(n) or payload_out.dtype != self.payload_dtype:
@@ -94,21 +127,25 @@ class BlockCodec:
             raise ValueError(f"scales_out must hold {self.scales_numel(n)} float32 values, "
                              f"got {scales_out.numel()} {scales_out.dtype}")
         if payload_out.is_contiguous() and scales_out.is_contiguous():
-            self._encode_flat(x, payload_out, scales_out)
+            self._encode_flat(x, payload_out, scales_out, key)
             return
-        enc = self.encode(x)
+        enc = self.encode(x, seed)
         payload_out.copy_(enc.payload.view(payload_out.shape))
         scales_out.copy_(enc.scales.view(scales_out.shape))
 
-    def _encode_flat(self, x: Tensor, payload: Tensor, scales: Tensor) -> None:
+    def _encode_flat(self, x: Tensor, payload: Tensor, scales: Tensor, key: int | None) -> None:
         n = x.numel()
         lib = _cpu_lib(x, x.dtype)
         if lib is not None and payload.device.type == "cpu" and scales.device.type == "cpu":
-            native.encode(lib, self.bits, self.block, x, 1, n, None, payload.data_ptr(), 0, scales.data_ptr(), 0, 0)
+            if self._extended:
+                native.encode_x(lib, self, x, 1, n, None, None, payload.data_ptr(), 0, scales.data_ptr(), 0, 0, key)
+            else:
+                native.encode(lib, self.bits, self.block, x, 1, n, None, payload.data_ptr(), 0, scales.data_ptr(), 0,
+                              0)
         else:
             reference.encode_rows(self.bits, self.block, x, 1, n, None,
                                   payload.view(torch.uint8).view(1, payload.numel()),
-                                  scales.view(torch.uint8).view(1, 4 * scales.numel()), None)
+                                  scales.view(torch.uint8).view(1, 4 * scales.numel()), None, None, self.rotate, key)
 
     def decode_chunks(self, payload_all: Tensor, scales_all: Tensor, k: int, numel_per_chunk: int,
                       dtype: torch.dtype = torch.float32, out: Tensor | None = None) -> Tensor:
@@ -131,11 +168,16 @@ class BlockCodec:
         result = out if direct else torch.empty(k * n, dtype=target_dtype, device=payload_all.device)
         lib = _cpu_lib(payload_all, target_dtype)
         if lib is not None and scales_all.device.type == "cpu":
-            native.decode(lib, self.bits, self.block, payload_all.data_ptr(), p, scales_all.data_ptr(), 4 * nb, k, n,
-                          result, False)
+            if self.rotate:
+                native.decode_x(lib, self, payload_all.data_ptr(), p, scales_all.data_ptr(), 4 * nb, k, n, None,
+                                result, False)
+            else:
+                native.decode(lib, self.bits, self.block, payload_all.data_ptr(), p, scales_all.data_ptr(), 4 * nb, k,
+                              n, result, False)
         else:
             reference.decode_rows(self.bits, self.block, payload_all.view(torch.uint8).view(k, p),
-                                  scales_all.view(torch.uint8).view(k, 4 * nb), k, n, result.view(-1), None)
+                                  scales_all.view(torch.uint8).view(k, 4 * nb), k, n, result.view(-1), None, None,
+                                  self.rotate)
         if out is None:
             return result.view(-1)
         if not direct:
@@ -169,33 +211,39 @@ class BlockCodec:
         """decode_wire / decode_wire_sum with a row layout, on a checked wire buffer (W bytes a chunk) and output."""
         P4 = self.padded_payload_bytes(n)
         lib = _cpu_lib(wire, out.dtype)
-        if lib is not None:
+        if lib is not None and self.rotate:
+            native.decode_x(lib, self, wire.data_ptr(), W, wire.data_ptr() + P4, W, k, n, lay, out, sum_rows)
+        elif lib is not None:
             native.decode_seg(lib, self.bits, self.block, wire.data_ptr(), W, wire.data_ptr() + P4, k, n, lay, out,
                               sum_rows)
-        elif (tk := _gpu_lib(wire, wire)) is not None:
+        elif (tk := _gpu_lib(wire, wire)) is not None and self.rotate:
+            tk.decode_wire_x(self, wire, k, n, out.view(-1), lay, sum_rows)
+        elif tk is not None:
             (tk.decode_wire_sum_seg if sum_rows else tk.decode_wire_seg)(self, wire, k, n, out.view(-1), lay)
         else:
             pay, sc, _ = reference.wire_views(self.bits, self.block, wire, k, n, W)
             reference.decode_rows(self.bits, self.block, pay, sc, k, n, None if sum_rows else out.view(-1),
-                                  out.view(-1) if sum_rows else None, lay)
+                                  out.view(-1) if sum_rows else None, lay, self.rotate)
 
     def encode_wire(self, x: Tensor, k: int, out: Tensor | None = None, order: Order = None,
-                    segments: Segments | None = None) -> Tensor:
+                    segments: Segments | None = None, seed: int | None = None) -> Tensor:
         """Encode ``x`` (k*n values) as k wire chunks in ``out`` (uint8, k * wire_bytes(n, segments)): row i <- chunk
         order[i].
 
         ``order`` (ints, or an int tensor on x's device) writes an all-to-all input in member order without a
         permuted copy of ``x``: member i receives row i. ``segments`` (the widths of one row's segments, see the
         docstring of ``format.py``) keeps every block inside one segment of one row, so a small tensor packed beside
-        a large one keeps its own scale. Returns ``out`` (allocated when None).
+        a large one keeps its own scale. ``seed``: the stochastic-rounding key (required by stochastic codecs,
+        ignored by the others; wire row i draws its own stream from it). Returns ``out`` (allocated when None).
         """
+        key = self._key(seed)
         x = _check_float(x, "x")
         N = x.numel()
         if k < 1 or N % k:
             raise ValueError(f"x must hold k equal chunks, got {N} values for k={k}")
         n = N // k
         if segments is not None:
-            return self._encode_wire_seg(x, k, n, out, order, _layout(self.block, segments))
+            return self._encode_wire_seg(x, k, n, out, order, _layout(self.block, segments), key)
         if out is None:
             out = torch.empty(k * self.wire_bytes(n), dtype=torch.uint8, device=x.device)
         W = self._check_wire(out, k, n)
@@ -205,15 +253,22 @@ class BlockCodec:
         if lib is not None:
             P, P4 = self.payload_numel(n), self.padded_payload_bytes(n)
             base = out.data_ptr()
-            native.encode(lib, self.bits, self.block, x, k, n, order, base, W, base + P4, W, P4 - P)
+            if self._extended:
+                native.encode_x(lib, self, x, k, n, order, None, base, W, base + P4, W, P4 - P, key)
+            else:
+                native.encode(lib, self.bits, self.block, x, k, n, order, base, W, base + P4, W, P4 - P)
         elif (tk := _gpu_lib(x, out)) is not None:
-            tk.encode_wire(self, x.view(-1), k, n, out, _order_index(order, k, x.device))
+            if self._extended:
+                tk.encode_wire_x(self, x.view(-1), k, n, out, _order_index(order, k, x.device), None, key)
+            else:
+                tk.encode_wire(self, x.view(-1), k, n, out, _order_index(order, k, x.device))
         else:
             views = reference.wire_views(self.bits, self.block, out, k, n)
-            reference.encode_rows(self.bits, self.block, x.view(-1), k, n, order, *views)
+            reference.encode_rows(self.bits, self.block, x.view(-1), k, n, order, *views, None, self.rotate, key)
         return out
 
-    def _encode_wire_seg(self, x: Tensor, k: int, n: int, out: Tensor | None, order: Order, lay: _Layout) -> Tensor:
+    def _encode_wire_seg(self, x: Tensor, k: int, n: int, out: Tensor | None, order: Order, lay: _Layout,
+                         key: int | None) -> Tensor:
         W = self._seg_wire_bytes(n, lay)
         if out is None:
             out = torch.empty(k * W, dtype=torch.uint8, device=x.device)
@@ -224,12 +279,18 @@ class BlockCodec:
         if lib is not None:
             P, P4 = self.payload_numel(n), self.padded_payload_bytes(n)
             base = out.data_ptr()
-            native.encode_seg(lib, self.bits, self.block, x, k, n, order, lay, base, W, base + P4, P4 - P)
+            if self._extended:
+                native.encode_x(lib, self, x, k, n, order, lay, base, W, base + P4, W, P4 - P, key)
+            else:
+                native.encode_seg(lib, self.bits, self.block, x, k, n, order, lay, base, W, base + P4, P4 - P)
         elif (tk := _gpu_lib(x, out)) is not None:
-            tk.encode_wire_seg(self, x.view(-1), k, n, out, _order_index(order, k, x.device), lay)
+            if self._extended:
+                tk.encode_wire_x(self, x.view(-1), k, n, out, _order_index(order, k, x.device), lay, key)
+            else:
+                tk.encode_wire_seg(self, x.view(-1), k, n, out, _order_index(order, k, x.device), lay)
         else:
             views = reference.wire_views(self.bits, self.block, out, k, n, W)
-            reference.encode_rows(self.bits, self.block, x.view(-1), k, n, order, *views, lay)
+            reference.encode_rows(self.bits, self.block, x.view(-1), k, n, order, *views, lay, self.rotate, key)
         return out
 
     def decode_wire(self, wire: Tensor, k: int, n: int, out: Tensor | None = None,
@@ -268,15 +329,21 @@ class BlockCodec:
             self._seg_decode(wire, k, n, lay, W, target, summed)
         elif (lib := _cpu_lib(wire, target.dtype)) is not None:
             base = wire.data_ptr()
-            native.decode(lib, self.bits, self.block, base, W, base + self.padded_payload_bytes(n), W, k, n, target,
-                          summed)
+            if self.rotate:
+                native.decode_x(lib, self, base, W, base + self.padded_payload_bytes(n), W, k, n, None, target, summed)
+            else:
+                native.decode(lib, self.bits, self.block, base, W, base + self.padded_payload_bytes(n), W, k, n,
+                              target, summed)
         elif (tk := _gpu_lib(wire, wire)) is not None:
-            (tk.decode_wire_sum if summed else tk.decode_wire)(self, wire, k, n, target.view(-1))
+            if self.rotate:
+                tk.decode_wire_x(self, wire, k, n, target.view(-1), None, summed)
+            else:
+                (tk.decode_wire_sum if summed else tk.decode_wire)(self, wire, k, n, target.view(-1))
         else:
             pay, sc, _ = reference.wire_views(self.bits, self.block, wire, k, n)
             flat = target.view(-1)
             reference.decode_rows(self.bits, self.block, pay, sc, k, n, None if summed else flat,
-                                  flat if summed else None)
+                                  flat if summed else None, None, self.rotate)
 
 
 INT8 = BlockCodec(8, DEFAULT_BLOCKS[8])
@@ -284,11 +351,31 @@ INT4 = BlockCodec(4, DEFAULT_BLOCKS[4])
 
 
 def codec_from_spec(spec: str) -> BlockCodec:
-    """Parse ``"int8"``, ``"int8:BLOCK"``, ``"int4"`` or ``"int4:BLOCK"`` (the caller strips any ``"+ef"``)."""
+    """Parse one hop's codec: ``int8`` | ``int4`` (or ``8`` | ``4``), optional ``:BLOCK``, then optional flags
+    ``:h`` (rotate) and ``:sr`` (stochastic), e.g. ``"int4:128:h:sr"``; ``.spec`` prints it back. The caller
+    strips any ``"+ef"``; a per-hop list (``"8/4"``) goes to ``hop_codecs``."""
+    if isinstance(spec, str) and "/" in spec:
+        raise ValueError(f"codec spec {spec!r} is a per-hop list: parse it with hop_codecs(spec, tiers)")
     m = _SPEC.match(spec) if isinstance(spec, str) else None
-    if m is None or (m.group(2) is not None and int(m.group(2)) < 1):
-        raise ValueError(f"unknown codec spec {spec!r}: valid specs are 'int8', 'int8:BLOCK', 'int4', 'int4:BLOCK' "
-                         f"with BLOCK a positive integer (defaults: int8 {DEFAULT_BLOCKS[8]}, int4 {DEFAULT_BLOCKS[4]})")
+    flags = m.group(3).split(":")[1:] if m is not None else []
+    if m is None or (m.group(2) is not None and int(m.group(2)) < 1) or len(set(flags)) != len(flags):
+        raise ValueError(f"unknown codec spec {spec!r}: {_SPEC_HELP}")
     bits = int(m.group(1))
-    return BlockCodec(bits, int(m.group(2)) if m.group(2) else DEFAULT_BLOCKS[bits])
+    return BlockCodec(bits, int(m.group(2)) if m.group(2) else DEFAULT_BLOCKS[bits], "h" in flags, "sr" in flags)
+
+
+def hop_codecs(spec: str, tiers: int) -> list[BlockCodec]:
+    """The codec of each tier 1..``tiers`` (index k-1 for tier k) from a spec or a ``/`` list, innermost first.
+
+    One entry: every tier. k entries (k <= tiers): the last is the outermost tier's, the others follow it inwards
+    in order, and the first also serves every inner tier not named: ``"8/4"`` on three tiers is 8, 8, 4."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"unknown codec spec {spec!r}: {_SPEC_HELP}")
+    if not isinstance(tiers, int) or tiers < 1:
+        raise ValueError(f"tiers must be a positive integer, got {tiers!r}")
+    entries = [codec_from_spec(part) for part in spec.split("/")]
+    if len(entries) > tiers:
+        raise ValueError(f"codec spec {spec!r} lists {len(entries)} hop codecs but there are only {tiers} tiers: "
+                         f"give at most {tiers} ('/'-separated, innermost first)")
+    return [entries[0]] * (tiers - len(entries) + 1) + entries[1:]
 

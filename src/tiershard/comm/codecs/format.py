@@ -50,6 +50,29 @@ one block and the first of the next), and so is the rest of the wire layout abov
 default) a chunk is one flat run of blocks. Every block obeys the error bound above with its own scale, so a segment's
 values are bounded by that segment's absmax (per block), whatever its neighbours hold.
 
+Rotation (``rotate``, spec flag ``:h``): SDP4Bit's Hadamard rotation spreads an outlier's magnitude over 32 values,
+so one spike no longer sets a scale that rounds its 31 neighbours to zero. Each block is cut into groups of 32
+consecutive values from its first value; every whole group is replaced by its normalized Walsh-Hadamard transform
+``y = (H32 x) * fp32(32 ** -0.5)`` before the scale is taken, and a block's last ``m % 32`` values (the tail of a
+short block: the end of a chunk, or of a segment of a row layout) are left as they are. The transform runs in fp32
+as five butterfly stages ``h = 1, 2, 4, 8, 16``: values ``p`` and ``p + h`` (``p & h == 0``) become ``a + b`` and
+``a - b``; the product by ``fp32(32 ** -0.5)`` comes last. The scale is taken AFTER the rotation
+(``absmax(y) / qmax``), the payload holds ``q(y)``, and decoding computes ``y_hat = q * scale`` in fp32, applies the
+same transform to each whole group (it is its own inverse) and then casts to the output dtype. Because the transform
+is orthogonal, a block's L2 error is that of its rotated values: ``||x - x_hat||_2 <= sqrt(m) * scale / 2`` (plus
+fp32 rounding), with ``scale = absmax(H x) / qmax``; per element the half-step bound of the unrotated format no
+longer holds (an element may receive up to ``sqrt(32) * scale / 2``).
+
+Stochastic rounding (``stochastic``, flag ``:sr``): ``q = clamp(floor(y / scale + u), -qmax, qmax)`` instead of
+round-half-even, with ``y / scale + u`` an fp32 sum, so ``E[q] = y / scale`` (unbiased, up to fp32 rounding) and every
+element is within one step (``scale``) of its input. ``u`` in [0, 1) comes from a counter-based hash, never from an
+RNG state, so the same ``seed`` gives the same bits on every backend and every run. With ``mix(v)`` the 32-bit hash
+``v ^= v >> 16; v *= 0x7FEB352D; v ^= v >> 15; v *= 0x846CA68B; v ^= v >> 16`` (all mod 2**32), the 64-bit ``seed``
+(taken mod 2**64) split into ``lo`` and ``hi`` halves, ``i`` the wire row (chunk) being written, ``b`` the block's
+scale index in that row and ``j`` the value's offset in its block:
+``row_key = mix(mix(mix(lo ^ 0x243F6A88) ^ hi) ^ i)``, ``block_key = mix(row_key ^ b)``,
+``u = (mix(block_key ^ (j * 0x9E3779B9 mod 2**32)) >> 8) * 2**-24``. Decoding does not depend on the seed.
+
 The sizes are pure functions of ``numel`` (and ``segments``), so every rank can pre-allocate matching buffers:
 ``payload_numel``, ``padded_payload_bytes``, ``scales_numel`` and ``wire_bytes`` below, which ``BlockCodec``'s
 methods of the same names call.
@@ -82,6 +105,10 @@ DEFAULT_BLOCKS = {8: 2048, 4: 64}
 _QMAX = {8: 127, 4: 7}
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+GROUP = 32                    # values per Hadamard rotation group (SDP4Bit's H32)
+_HASH_M1, _HASH_M2 = 0x7FEB352D, 0x846CA68B    # mix(): Wellons' lowbias32 constants
+_HASH_SALT, _HASH_GOLD = 0x243F6A88, 0x9E3779B9
+_MASK32, _MASK64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
 
 Order = Union[Sequence[int], Tensor, None]
 """Which input chunk each wire row holds: row ``i`` <- chunk ``order[i]``; None is the identity."""

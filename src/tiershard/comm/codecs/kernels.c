@@ -790,3 +790,199 @@ int ts_decode_seg(const uint8_t* pay, int64_t pstride, const uint8_t* sc, int64_
     }
     return 0;
 }
+
+/* ---- rotated and stochastic formats (format.py: "Rotation", "Stochastic rounding") ----
+   One general path for codecs with rotate or stochastic set, flat (bs == NULL: block j covers [j*block, ...)) or
+   with a row layout (bs as above). Each block is read into an fp32 buffer, its whole 32-value groups rotated, then
+   its scale taken and its values quantized (nearest, or floor(y / scale + u) with u from the counter hash). Work units
+   start on even values (flat: group_blocks; layouts: whole rows, an even number when U is odd), so int4 bytes are
+   staged one value a byte per unit and packed without two threads sharing a byte. */
+#define TS_NORM32 0.17677669529663687f  /* fp32(32 ** -0.5) */
+static inline uint32_t ts_mix(uint32_t v) {
+    v ^= v >> 16; v *= 0x7FEB352Du; v ^= v >> 15; v *= 0x846CA68Bu; v ^= v >> 16;
+    return v;
+}
+static inline uint32_t ts_row_key(uint64_t seed, int64_t i) {
+    return ts_mix(ts_mix(ts_mix((uint32_t)seed ^ 0x243F6A88u) ^ (uint32_t)(seed >> 32)) ^ (uint32_t)i);
+}
+/* Five butterfly stages h = 1..16 in the format's order, then the product by fp32(32 ** -0.5). Every output is the
+   a + b or a - b of the same two values whichever way it is computed, so the vector form gives the scalar bits. */
+#if defined(__GNUC__) && !defined(__clang__)
+typedef float ts_v8f __attribute__((vector_size(32)));
+typedef int32_t ts_v8i __attribute__((vector_size(32)));
+static inline ts_v8f ts_bfly(ts_v8f v, ts_v8i lo, ts_v8i hi, ts_v8i pick) {  /* a stage inside 8 lanes */
+    const ts_v8f a = __builtin_shuffle(v, lo), b = __builtin_shuffle(v, hi);
+    return __builtin_shuffle(a + b, a - b, pick);
+}
+static inline void fwht32(float* restrict v) {
+    ts_v8f r[4];
+    memcpy(r, v, 128);
+    for (int i = 0; i < 4; i++) {
+        r[i] = ts_bfly(r[i], (ts_v8i){0, 0, 2, 2, 4, 4, 6, 6}, (ts_v8i){1, 1, 3, 3, 5, 5, 7, 7},
+                       (ts_v8i){0, 9, 2, 11, 4, 13, 6, 15});
+        r[i] = ts_bfly(r[i], (ts_v8i){0, 1, 0, 1, 4, 5, 4, 5}, (ts_v8i){2, 3, 2, 3, 6, 7, 6, 7},
+                       (ts_v8i){0, 1, 10, 11, 4, 5, 14, 15});
+        r[i] = ts_bfly(r[i], (ts_v8i){0, 1, 2, 3, 0, 1, 2, 3}, (ts_v8i){4, 5, 6, 7, 4, 5, 6, 7},
+                       (ts_v8i){0, 1, 2, 3, 12, 13, 14, 15});
+    }
+    ts_v8f a = r[0] + r[1], b = r[0] - r[1], c = r[2] + r[3], d = r[2] - r[3];  /* h = 8 */
+    const ts_v8f n = {TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32};
+    r[0] = (a + c) * n; r[1] = (b + d) * n; r[2] = (a - c) * n; r[3] = (b - d) * n;  /* h = 16 */
+    memcpy(v, r, 128);
+}
+#else
+static inline void fwht32(float* restrict v) {
+    for (int h = 1; h < 32; h <<= 1)
+        for (int p = 0; p < 32; p += 2 * h)
+            for (int t = p; t < p + h; t++) { const float a = v[t], b = v[t + h]; v[t] = a + b; v[t + h] = a - b; }
+    for (int t = 0; t < 32; t++) v[t] *= TS_NORM32;
+}
+#endif
+static inline void rotate_block(float* restrict v, int64_t m) {
+    for (int64_t g = 0; g + 32 <= m; g += 32) fwht32(v + g);
+}
+static void load_f32(const char* x, int dt, int64_t m, float* restrict v) {
+    if (dt == DT_F32) { memcpy(v, x, (size_t)(4 * m)); return; }
+    const uint16_t* xh = (const uint16_t*)x;
+    if (dt == DT_BF16) { for (int64_t i = 0; i < m; i++) v[i] = bf16_to_f32(xh[i]); }
+#if TS_HAVE_F16
+    else { for (int64_t i = 0; i < m; i++) v[i] = f16_to_f32(xh[i]); }
+#endif
+}
+/* Block of m values (fp32 in v, rotated already): its scale, and q + off as bytes into q. */
+static float quant_block_x(const float* restrict v, int64_t m, int bits, int sr, uint32_t bkey, uint8_t* restrict q) {
+    const int32_t qmax = bits == 8 ? 127 : 7, off = bits == 8 ? 0 : 8;
+    const uint32_t a = absbits32((const uint32_t*)v, m);
+    float amax; memcpy(&amax, &a, 4);
+    const float scale = a >= 0x7f800000u ? NAN : amax / (float)qmax;
+    if (!(scale > 0.f)) { memset(q, off, (size_t)m); return scale; }
+    if (!sr) {
+        if (scale >= 0x1p-126f) {  /* a normal scale: |v / scale| <= qmax (1 + 2**-23) rounds to at most qmax */
+            for (int64_t j = 0; j < m; j++) q[j] = (uint8_t)((int32_t)rintf(v[j] / scale) + off);
+        } else for (int64_t j = 0; j < m; j++) q[j] = quant1(v[j], scale, qmax, off);
+        return scale;
+    }
+    for (int64_t j = 0; j < m; j++) {  /* floor by truncation and a correction: vectorizes, same value */
+        const float u = (float)(int32_t)(ts_mix(bkey ^ ((uint32_t)j * 0x9E3779B9u)) >> 8) * 0x1p-24f;
+        const float t = v[j] / scale + u;
+        int32_t r = (int32_t)t;
+        r -= (float)r > t;
+        r = r > qmax ? qmax : r; r = r < -qmax ? -qmax : r;
+        q[j] = (uint8_t)(r + off);
+    }
+    return scale;
+}
+static inline void block_at(const int64_t* bs, int64_t nbr, int64_t U, int64_t block, int64_t n, int64_t J,
+                            int64_t* s, int64_t* m) {
+    if (!bs) { *s = J * block; *m = (*s + block < n ? *s + block : n) - *s; return; }
+    const int64_t r = J / nbr, b = J - r * nbr;
+    *s = r * U + bs[b]; *m = bs[b + 1] - bs[b];
+}
+/* Units of work: [first block, end block) of unit u, and the first value of each. */
+static void unit_blocks(const int64_t* bs, int64_t nbr, int64_t U, int64_t block, int64_t n, int64_t u,
+                        int64_t* J0, int64_t* J1) {
+    const int64_t nb = bs ? n / U * nbr : (n + block - 1) / block;
+    int64_t g;
+    if (bs) { int64_t R = U < 8192 ? 8192 / U : 1; if ((U & 1) && (R & 1)) R++; g = R * nbr; }
+    else g = group_blocks(block);
+    *J0 = u * g; *J1 = (u + 1) * g < nb ? (u + 1) * g : nb;
+}
+static int64_t unit_count(const int64_t* bs, int64_t nbr, int64_t U, int64_t block, int64_t n) {
+    int64_t J0, J1; unit_blocks(bs, nbr, U, block, n, 0, &J0, &J1);
+    const int64_t nb = bs ? n / U * nbr : (n + block - 1) / block, g = J1 - J0;
+    return g > 0 ? (nb + g - 1) / g : 0;
+}
+#include <stdlib.h>
+int ts_encode_x(const void* x, int dt, int64_t n, int64_t k, const int64_t* order, const int64_t* bs, int64_t nbr,
+                int64_t U, int64_t block, int bits, int rotate, int sr, uint64_t seed, uint8_t* pay, int64_t pstride,
+                uint8_t* sc, int64_t sstride, int64_t ppad, int nthreads) {
+    if (dt == DT_F16 && !TS_HAVE_F16) return -1;
+    if (bs && (U < 1 || nbr < 1 || n % U)) return -3;
+    const int64_t es = dt == DT_F32 ? 4 : 2, P = bits == 8 ? n : (n + 1) / 2;
+    for (int64_t i = 0; i < k && ppad > 0; i++) memset(pay + i * pstride + P, 0, (size_t)ppad);
+    const int64_t nu = unit_count(bs, nbr, U, block, n), total = k * nu;
+    int failed = 0;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if(nthreads > 1 && total > 1)
+    for (int64_t t = 0; t < total; t++) {
+        const int64_t i = t / nu, u = t % nu, c = order ? order[i] : i;
+        const char* xc = (const char*)x + c * n * es;
+        uint8_t* prow = pay + i * pstride;
+        int64_t J0, J1, s0, e, s, m;
+        unit_blocks(bs, nbr, U, block, n, u, &J0, &J1);
+        block_at(bs, nbr, U, block, n, J0, &s0, &m);
+        block_at(bs, nbr, U, block, n, J1 - 1, &s, &m);
+        e = s + m;
+        float* v = (float*)malloc((size_t)(4 * block));
+        uint8_t* qs = bits == 4 ? (uint8_t*)malloc((size_t)(e - s0 + 1)) : NULL;
+        if (!v || (bits == 4 && !qs)) { free(v); free(qs); failed = 1; continue; }
+        const uint32_t rkey = ts_row_key(seed, i);
+        for (int64_t J = J0; J < J1; J++) {
+            block_at(bs, nbr, U, block, n, J, &s, &m);
+            load_f32(xc + s * es, dt, m, v);
+            if (rotate) rotate_block(v, m);
+            const float scale = quant_block_x(v, m, bits, sr, ts_mix(rkey ^ (uint32_t)J),
+                                              bits == 8 ? prow + s : qs + (s - s0));
+            memcpy(sc + i * sstride + 4 * J, &scale, 4);
+        }
+        if (bits == 4) {
+            int64_t cnt = e - s0;
+            if (cnt & 1) qs[cnt++] = 8;  /* odd n: the last high nibble holds 0 */
+            for (int64_t p = 0; p < cnt / 2; p++) prow[s0 / 2 + p] = (uint8_t)(qs[2 * p] | (qs[2 * p + 1] << 4));
+        }
+        free(v); free(qs);
+    }
+    return failed ? -4 : 0;
+}
+static void store_f32(const float* restrict v, int64_t m, char* o, int dt, int add) {
+    if (add) { float* of = (float*)o; for (int64_t i = 0; i < m; i++) of[i] += v[i]; }
+    else if (dt == DT_F32) memcpy(o, v, (size_t)(4 * m));
+    else if (dt == DT_BF16) { uint16_t* oh = (uint16_t*)o; for (int64_t i = 0; i < m; i++) oh[i] = f32_to_bf16(v[i]); }
+#if TS_HAVE_F16
+    else { uint16_t* oh = (uint16_t*)o; for (int64_t i = 0; i < m; i++) oh[i] = f32_to_f16(v[i]); }
+#endif
+}
+/* Decode one block: dequantize into v, rotate back (rotate), store or add. */
+static void decode_block_x(const uint8_t* prow, const uint8_t* scrow, int64_t J, int64_t s, int64_t m, int bits,
+                           int rotate, float* restrict v, char* o, int dt, int add) {
+    const float scale = load_scale(scrow, J);
+    if (bits == 8) { for (int64_t j = 0; j < m; j++) v[j] = (float)(int8_t)prow[s + j] * scale; }
+    else if (!(s & 1)) {  /* an even start: two values a byte */
+        const uint8_t* p = prow + s / 2;
+        for (int64_t j = 0; j < m / 2; j++) {
+            v[2 * j] = (float)((int32_t)(p[j] & 15u) - 8) * scale;
+            v[2 * j + 1] = (float)((int32_t)(p[j] >> 4) - 8) * scale;
+        }
+        if (m & 1) v[m - 1] = (float)((int32_t)(p[m / 2] & 15u) - 8) * scale;
+    } else for (int64_t j = 0; j < m; j++) {
+        const int64_t p = s + j;
+        v[j] = (float)((int32_t)((prow[p >> 1] >> (4 * (p & 1))) & 15u) - 8) * scale;
+    }
+    if (rotate) rotate_block(v, m);
+    store_f32(v, m, o + s * (add || dt == DT_F32 ? 4 : 2), dt, add);
+}
+int ts_decode_x(const uint8_t* pay, int64_t pstride, const uint8_t* sc, int64_t sstride, int64_t k, int64_t n,
+                const int64_t* bs, int64_t nbr, int64_t U, int64_t block, int bits, int rotate, void* out, int dt,
+                int64_t ostride, int sum, int nthreads) {
+    if (dt == DT_F16 && !TS_HAVE_F16) return -1;
+    if (sum && dt != DT_F32) return -2;
+    if (bs && (U < 1 || nbr < 1 || n % U)) return -3;
+    if (sum && k == 0) { memset(out, 0, (size_t)(n * 4)); return 0; }
+    const int64_t nu = unit_count(bs, nbr, U, block, n), total = sum ? nu : k * nu, es = dt == DT_F32 ? 4 : 2;
+    int failed = 0;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if(nthreads > 1 && total > 1)
+    for (int64_t t = 0; t < total; t++) {
+        const int64_t i0 = sum ? 0 : t / nu, u = sum ? t : t % nu, i1 = sum ? k : i0 + 1;
+        int64_t J0, J1, s, m;
+        unit_blocks(bs, nbr, U, block, n, u, &J0, &J1);
+        float* v = (float*)malloc((size_t)(4 * block));
+        if (!v) { failed = 1; continue; }
+        for (int64_t i = i0; i < i1; i++)  /* row order, as the reference adds */
+            for (int64_t J = J0; J < J1; J++) {
+                block_at(bs, nbr, U, block, n, J, &s, &m);
+                decode_block_x(pay + i * pstride, sc + i * sstride, J, s, m, bits, rotate, v,
+                               sum ? (char*)out : (char*)out + i * ostride * es, sum ? DT_F32 : dt, sum && i > 0);
+            }
+        free(v);
+    }
+    return failed ? -4 : 0;
+}

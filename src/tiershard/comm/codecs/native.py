@@ -50,7 +50,7 @@ from torch import Tensor
 
 from .format import _DTYPE_CODE, Order, _check_order, _Layout
 
-__all__ = ["Kernels", "load", "build", "status", "encode", "decode", "encode_seg", "decode_seg"]
+__all__ = ["Kernels", "load", "build", "status", "encode", "decode", "encode_seg", "decode_seg", "encode_x", "decode_x"]
 
 # Tried in order; the first that compiles and loads is used. Without -march=native the compiler still vectorizes
 # for the baseline ISA; without OpenMP every call runs on the calling thread.
@@ -75,7 +75,11 @@ class Kernels:
     offsets of one row, then for each block the number of whole blocks of ``block`` values that follow one another
     from it (``format._Layout`` builds it). dtype codes: 0 float32, 1 bfloat16, 2 float16. All are the raw ctypes
     functions (a Python wrapper would double the call's cost) and return 0, or a negative code for an unsupported
-    dtype or a chunk that is not whole rows.
+    dtype or a chunk that is not whole rows. ``encode_x(x, dtype_code, n, k, order, table, nbr, U, block, bits,
+    rotate, stochastic, seed, payload, payload_stride, scales, scales_stride, pad, threads)`` and ``decode_x(payload,
+    payload_stride, scales, scales_stride, k, n, table, nbr, U, block, bits, rotate, out, dtype_code, out_stride,
+    sum, threads)`` are the general path of the rotated and stochastic formats, flat (``table`` None) or with a row
+    layout.
     """
 
     def __init__(self, path: Path, flags: tuple[str, ...], notes: tuple[str, ...] = ()):
@@ -89,11 +93,18 @@ class Kernels:
         lib.ts_encode_seg.restype = i32
         lib.ts_decode_seg.argtypes = [v, i64, v, i64, i64, i64, v, i64, i64, i64, i32, v, i32, i64, i32, i32]
         lib.ts_decode_seg.restype = i32
+        u64 = ctypes.c_uint64
+        lib.ts_encode_x.argtypes = [v, i32, i64, i64, v, v, i64, i64, i64, i32, i32, i32, u64, v, i64, v, i64, i64,
+                                    i32]
+        lib.ts_encode_x.restype = i32
+        lib.ts_decode_x.argtypes = [v, i64, v, i64, i64, i64, v, i64, i64, i64, i32, i32, v, i32, i64, i32, i32]
+        lib.ts_decode_x.restype = i32
         lib.ts_has_f16.restype = i32
         lib.ts_simd.restype = i32
         self._lib, self.path, self.flags, self.notes = lib, path, flags, notes
         self.encode, self.decode = lib.ts_encode, lib.ts_decode
         self.encode_seg, self.decode_seg = lib.ts_encode_seg, lib.ts_decode_seg
+        self.encode_x, self.decode_x = lib.ts_encode_x, lib.ts_decode_x
         self.has_f16 = bool(lib.ts_has_f16())
         self.simd = "avx512" if lib.ts_simd() == 512 else "compiler-vectorized"
 
@@ -316,5 +327,28 @@ def decode_seg(lib: Kernels, bits: int, block: int, pay: int, stride: int, sc: i
     """``decode`` with the row layout ``lay``, from wire rows of ``stride`` bytes."""
     rc = lib.decode_seg(pay, stride, sc, stride, k, n, lay.c_addr, lay.nbr, lay.U, block, bits,
                         out.data_ptr(), _DTYPE_CODE[out.dtype], n, sum_rows, _threads(k * n))
+    if rc:
+        raise RuntimeError(f"codec kernel decode failed ({rc}) for {out.dtype}")
+
+
+def encode_x(lib: Kernels, codec, x: Tensor, k: int, n: int, order: Order, lay: _Layout | None, pay: int,
+             pstride: int, sc: int, sstride: int, pad: int, seed: int | None) -> None:
+    """``encode`` / ``encode_seg`` for a rotated or stochastic codec (``codec``: a ``BlockCodec``; ``seed`` its
+    64-bit key, None for round half to even)."""
+    arr = _order_array(order, k)
+    table, nbr, U = (None, 0, 0) if lay is None else (lay.c_addr, lay.nbr, lay.U)
+    rc = lib.encode_x(x.data_ptr(), _DTYPE_CODE[x.dtype], n, k, None if arr is None else ctypes.addressof(arr),
+                      table, nbr, U, codec.block, codec.bits, codec.rotate, seed is not None, seed or 0, pay, pstride,
+                      sc, sstride, pad, _threads(k * n))
+    if rc:
+        raise RuntimeError(f"codec kernel encode failed ({rc}) for {x.dtype}")
+
+
+def decode_x(lib: Kernels, codec, pay: int, pstride: int, sc: int, sstride: int, k: int, n: int,
+             lay: _Layout | None, out: Tensor, sum_rows: bool) -> None:
+    """``decode`` / ``decode_seg`` for a rotated codec: each block rotated back after dequantizing."""
+    table, nbr, U = (None, 0, 0) if lay is None else (lay.c_addr, lay.nbr, lay.U)
+    rc = lib.decode_x(pay, pstride, sc, sstride, k, n, table, nbr, U, codec.block, codec.bits, codec.rotate,
+                      out.data_ptr(), _DTYPE_CODE[out.dtype], n, sum_rows, _threads(k * n))
     if rc:
         raise RuntimeError(f"codec kernel decode failed ({rc}) for {out.dtype}")

@@ -15,12 +15,16 @@ Kernels: one program per (chunk, block) encodes a whole block when it fits in re
 even block, up to ``_FUSED_MAX`` values); otherwise one program per (chunk, block) writes the scales and a second
 kernel quantizes per value (int4 odd blocks pair values across two blocks). Decoding is one program per (chunk,
 tile of values); the sum loops over the chunks inside each program. Row layouts (``segments``) have their own
-kernels (``*_seg``), driven by the layout's block table: one program per (block, chunk), see below.
+kernels (``*_seg``), driven by the layout's block table: one program per (block, chunk), see below. Rotated and
+stochastic codecs take one general path (``encode_wire_x``, ``decode_wire_x``), flat or with a row layout, parallel
+to the C kernels' ``ts_encode_x`` / ``ts_decode_x``: one program per (block, chunk) loops over the block in tiles of
+whole 32-value groups, rotating them in registers (butterflies by reshape, split and join, in the format's order).
 """
 from __future__ import annotations
 
 from typing import Protocol
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -32,6 +36,8 @@ class Codec(Protocol):
 
     bits: int
     block: int
+    rotate: bool
+    stochastic: bool
 
     def payload_numel(self, numel: int) -> int: ...
     def padded_payload_bytes(self, numel: int) -> int: ...
@@ -40,7 +46,7 @@ class Codec(Protocol):
 
 
 __all__ = ["encode_wire", "decode_wire", "decode_wire_sum", "encode_wire_seg", "decode_wire_seg", "decode_wire_sum_seg",
-           "triton"]
+           "encode_wire_x", "decode_wire_x", "triton"]
 
 _FUSED_MAX = 4096   # values per block that one program encodes in registers
 _SCALE_TILE = 1024  # values per step when a scale program loops over a large block
@@ -473,3 +479,192 @@ def decode_wire_sum_seg(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor,
     _decode_seg_sum[(nbt, triton.cdiv(codec.block, tile))](wire, out, layout.table(wire.device), k, n, layout.nbr,
                                                            layout.U, P4 + 4 * nbt, P4, BITS=codec.bits, TILE=tile,
                                                            enable_fp_fusion=False)
+
+
+# ---- rotated and stochastic formats (format.py: "Rotation", "Stochastic rounding") ----------------------------
+# Parallel to kernels.c's ts_encode_x / ts_decode_x. One program per (block, chunk), blocks on grid axis 0; the
+# block is read in tiles of XT values (a multiple of 32, so rotation groups never straddle two tiles): a first pass
+# takes the absmax of the rotated values, a second quantizes them. int8 values go straight to the wire; int4 values
+# go one a byte to a staging tensor that a second kernel packs (blocks may start on odd values, and no two programs
+# may write one byte).
+_NORM32 = 0.17677669529663687  # fp32(32 ** -0.5)
+
+
+@triton.jit
+def _mix(v):
+    """The format's 32-bit hash (uint32 arithmetic wraps mod 2**32)."""
+    v = v ^ (v >> 16)
+    v = v * tl.full(v.shape, 0x7FEB352D, tl.uint32)
+    v = v ^ (v >> 15)
+    v = v * tl.full(v.shape, 0x846CA68B, tl.uint32)
+    return v ^ (v >> 16)
+
+
+@triton.jit
+def _butterfly(x, G: tl.constexpr, H: tl.constexpr):
+    """One stage of the 32-point transform on [G, 32] values: p and p + H (p & H == 0) -> a + b, a - b."""
+    v = tl.permute(tl.reshape(x, [G, 32 // (2 * H), 2, H]), (0, 1, 3, 2))
+    a, b = tl.split(v)
+    v = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
+    return tl.reshape(v, [G, 32])
+
+
+@triton.jit
+def _rotate_tile(x, t, m, XT: tl.constexpr):
+    """Rotate the whole 32-value groups of a tile (values t .. t + XT of a block of m values); the rest unchanged."""
+    G: tl.constexpr = XT // 32
+    x2 = tl.reshape(x, [G, 32])
+    r = _butterfly(x2, G, 1)
+    r = _butterfly(r, G, 2)
+    r = _butterfly(r, G, 4)
+    r = _butterfly(r, G, 8)
+    r = _butterfly(r, G, 16)
+    r = r * _NORM32
+    whole = t + tl.arange(0, G) * 32 + 32 <= m
+    return tl.reshape(tl.where(whole[:, None], r, x2), [XT])
+
+
+@triton.jit
+def _block_of(tab_ptr, j, nbr, U, n, block, SEG: tl.constexpr):
+    """First value and length of block j of a chunk: flat, or by the row layout's table."""
+    if SEG:
+        return _seg_block(tab_ptr, j, nbr, U)
+    start = j * block
+    return start, tl.minimum(block, n - start)
+
+
+@triton.jit
+def _encode_x(x_ptr, order_ptr, out_ptr, q_ptr, tab_ptr, n, nbr, U, block, W, P4, seed_lo, seed_hi,
+              HAS_ORDER: tl.constexpr, SEG: tl.constexpr, BITS: tl.constexpr, ROTATE: tl.constexpr,
+              SR: tl.constexpr, XT: tl.constexpr):
+    j = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1)
+    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
+    row = out_ptr + i.to(tl.int64) * W
+    start, m = _block_of(tab_ptr, j, nbr, U, n, block, SEG)
+    QMAX: tl.constexpr = 127 if BITS == 8 else 7
+    amax = tl.zeros([XT], dtype=tl.float32)
+    bad = tl.zeros([XT], dtype=tl.int32)
+    for t in range(0, m, XT):
+        offs = t + tl.arange(0, XT)
+        mask = offs < m
+        y = tl.load(src + start + offs, mask=mask, other=0.0).to(tl.float32)
+        if ROTATE:
+            y = _rotate_tile(y, t, m, XT)
+        a = tl.abs(y)
+        amax = tl.maximum(amax, tl.where(mask, a, 0.0))
+        bad = bad + tl.where(mask & ~(a <= _FLT_MAX), 1, 0)
+    scale = _block_scale(tl.max(amax, axis=0), tl.max(bad, axis=0) > 0, QMAX)
+    ok = scale > 0.0
+    safe = tl.where(ok, scale, 1.0)
+    if SR:
+        lo = seed_lo.to(tl.uint32)
+        hi = seed_hi.to(tl.uint32)
+        rkey = _mix(_mix(_mix(lo ^ tl.full([], 0x243F6A88, tl.uint32)) ^ hi) ^ i.to(tl.uint32))
+        bkey = _mix(rkey ^ j.to(tl.uint32))
+    for t in range(0, m, XT):
+        offs = t + tl.arange(0, XT)
+        mask = offs < m
+        y = tl.load(src + start + offs, mask=mask, other=0.0).to(tl.float32)
+        if ROTATE:
+            y = _rotate_tile(y, t, m, XT)
+        if SR:
+            h = _mix(bkey ^ (offs.to(tl.uint32) * tl.full([XT], 0x9E3779B9, tl.uint32)))
+            u = (h >> 8).to(tl.float32) * 5.960464477539063e-08  # 2**-24
+            q = tl.floor(tl.div_rn(y, safe) + u)
+        else:
+            q = _rne(tl.div_rn(y, safe))
+        q = tl.where(ok, tl.minimum(tl.maximum(q, -QMAX), QMAX), 0.0).to(tl.int32)
+        if BITS == 8:
+            tl.store(row + start + offs, (q & 0xFF).to(tl.uint8), mask=mask)
+        else:
+            tl.store(q_ptr + i.to(tl.int64) * n + start + offs, q.to(tl.int8), mask=mask)
+    _store_scale(row, P4, j, scale)
+
+
+@triton.jit
+def _pack4_x(q_ptr, out_ptr, n, P, W, TILE: tl.constexpr):
+    """int4 bytes p of wire row i from the staged values 2p, 2p + 1 (the padding nibble 8 past n)."""
+    p = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    i = tl.program_id(1).to(tl.int64)
+    ok = p < P
+    src = q_ptr + i * n
+    lo = tl.load(src + 2 * p, mask=ok, other=0).to(tl.int32) + 8
+    hi = tl.load(src + 2 * p + 1, mask=ok & (2 * p + 1 < n), other=0).to(tl.int32) + 8
+    tl.store(out_ptr + i * W + p, (lo | (hi << 4)).to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def _decode_x(wire_ptr, out_ptr, tab_ptr, k, n, nbr, U, block, W, P4, SEG: tl.constexpr, BITS: tl.constexpr,
+              ROTATE: tl.constexpr, SUM: tl.constexpr, XT: tl.constexpr):
+    """Block j of row i (SUM: of every row, added in row order): dequantize, rotate back, store."""
+    j = tl.program_id(0).to(tl.int64)
+    start, m = _block_of(tab_ptr, j, nbr, U, n, block, SEG)
+    for t in range(0, m, XT):
+        offs = t + tl.arange(0, XT)
+        mask = offs < m
+        e = start + offs
+        if SUM:
+            row = wire_ptr
+            acc = _dequant_seg(row, P4, e, mask, j, BITS)
+            if ROTATE:
+                acc = _rotate_tile(acc, t, m, XT)
+            for _ in range(1, k):
+                row += W
+                v = _dequant_seg(row, P4, e, mask, j, BITS)
+                if ROTATE:
+                    v = _rotate_tile(v, t, m, XT)
+                acc = acc + v
+            tl.store(out_ptr + e, acc, mask=mask)
+        else:
+            i = tl.program_id(1).to(tl.int64)
+            v = _dequant_seg(wire_ptr + i * W, P4, e, mask, j, BITS)
+            if ROTATE:
+                v = _rotate_tile(v, t, m, XT)
+            _store_values(out_ptr + i * n + e, v, mask)
+
+
+def _x_tile(codec: Codec) -> int:
+    return min(max(_pow2(codec.block), 32), _TILE)
+
+
+def encode_wire_x(codec: Codec, x: Tensor, k: int, n: int, out: Tensor, order: Tensor | None, layout,
+                  seed: int | None) -> None:
+    """``encode_wire`` / ``encode_wire_seg`` for a rotated or stochastic codec (``layout`` None: flat chunks;
+    ``seed``: the 64-bit stochastic-rounding key, None for round half to even)."""
+    P, P4 = codec.payload_numel(n), codec.padded_payload_bytes(n)
+    nbt = codec.scales_numel(n) if layout is None else n // layout.U * layout.nbr
+    W = P4 + 4 * nbt
+    if P4 > P:
+        out.view(k, W)[:, P:P4].zero_()
+    if nbt == 0:
+        return
+    seg = layout is not None
+    tab = layout.table(x.device) if seg else out  # any pointer; unused without SEG
+    nbr, U = (layout.nbr, layout.U) if seg else (0, 0)
+    has_order = order is not None
+    order_arg = order if has_order else out
+    staged = x.new_empty(k * n, dtype=torch.int8) if codec.bits == 4 else out
+    key = 0 if seed is None else seed
+    _encode_x[(nbt, k)](x, order_arg, out, staged, tab, n, nbr, U, codec.block, W, P4, key & 0xFFFFFFFF, key >> 32,
+                        HAS_ORDER=has_order, SEG=seg, BITS=codec.bits, ROTATE=codec.rotate, SR=seed is not None,
+                        XT=_x_tile(codec), enable_fp_fusion=False)
+    if codec.bits == 4:
+        _pack4_x[(triton.cdiv(P, _TILE), k)](staged, out, n, P, W, TILE=_TILE)
+
+
+def decode_wire_x(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor, layout, sum_rows: bool) -> None:
+    """``decode_wire`` / ``decode_wire_sum`` (``sum_rows``) of a rotated codec, flat or with a row layout."""
+    if sum_rows and k == 0:
+        out.zero_()
+        return
+    nbt = codec.scales_numel(n) if layout is None else n // layout.U * layout.nbr
+    if nbt == 0 or k == 0:
+        return
+    seg = layout is not None
+    tab = layout.table(wire.device) if seg else wire
+    nbr, U = (layout.nbr, layout.U) if seg else (0, 0)
+    P4 = codec.padded_payload_bytes(n)
+    grid = (nbt,) if sum_rows else (nbt, k)
+    _decode_x[grid](wire, out, tab, k, n, nbr, U, codec.block, P4 + 4 * nbt, P4, SEG=seg, BITS=codec.bits,
+                    ROTATE=codec.rotate, SUM=sum_rows, XT=_x_tile(codec), enable_fp_fusion=False)
