@@ -5,10 +5,20 @@ tier name; ``resolve`` turns it into level indices for one topology and rejects 
 
 Text forms, all round-tripping through ``str``::
 
-    "IIG"  "zero3"  "GGG+hpz+qwz+qgz"  "p=pair,g=node,os=world+hpz=pair/node"  "NIG+qgz=int4+ef"
+    "IIG"  "zero3"  "GGG+hpz+qwz+qgz"  "p=pair,g=node,os=world+hpz=pair/node"  "NIG+qgz=int4+ef"  "IIG+qgz=8/4"
+
+[Note: qgz specs] ``qgz`` names one codec per tier, innermost first, joined by ``/``: ``int8`` or ``int4`` (or
+``8``, ``4``), an optional ``:BLOCK``, then the flags (each at most once) ``:h`` (Walsh-Hadamard rotation) and
+``:sr`` (stochastic rounding). One entry serves every tier; with k entries the last is the outermost tier and
+the first repeats for the inner tiers not named (``8/4`` on pair, node, world is 8, 8, 4). Bare ``qgz`` is
+``QGZ_DEFAULT``: int8 where links are fast, int4 only on the outermost tier, both rotated (on a one-tier
+topology, its outermost entry).
+This module checks the grammar with one regex (plans sit below ``comm``); the codec layer's ``hop_codecs`` is
+the parser at run time, and a test keeps the two in agreement.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -27,6 +37,9 @@ PRESETS = {
 }
 QWZ_CODECS = ("int8",)
 QGZ_CODECS = ("int4", "int8")
+QGZ_DEFAULT = "int8:128:h/int4:128:h"      # bare ``qgz`` ([Note: qgz specs])
+_HOP = r"(?:int)?(?:8|4)(?::[1-9][0-9]*)?(?::h(?::sr)?|:sr(?::h)?)?"
+_QGZ_SPEC = re.compile(rf"{_HOP}(?:/{_HOP})*")
 
 
 class PlanError(ValueError):
@@ -39,7 +52,8 @@ class Plan:
 
     ``hpz``: levels (finer groups than ``p``) that keep a cached weight shard after a gather, innermost last used.
     ``qwz``: codec for parameter all-gathers, ``"int8"`` or ``"int8:BLOCK"``.
-    ``qgz``: codec for gradient reduction, ``"int4"``, ``"int4:BLOCK"``, with ``"+ef"`` for error feedback.
+    ``qgz``: codecs for gradient reduction, one per tier ([Note: qgz specs]), e.g. ``"int4"``, ``"8/4"``,
+    ``"int8:128:h/int4:128:h"``, with ``"+ef"`` for error feedback.
     ``cc``: run global collectives hierarchically (intra then inter phases).
     """
 
@@ -103,6 +117,8 @@ class Plan:
             if key == "ef":
                 if "qgz" not in options:
                     raise PlanError(f"'+ef' in {text!r} must follow qgz, as in GGG+qgz=int4+ef")
+                if options["qgz"].endswith("+ef"):
+                    raise PlanError(f"'+ef' given twice in {text!r}: give it once, as in GGG+qgz=int4+ef")
                 options["qgz"] += "+ef"
                 continue
             if key in options:
@@ -112,7 +128,7 @@ class Plan:
             elif key == "qwz":
                 options["qwz"] = value or "int8"
             elif key == "qgz":
-                options["qgz"] = value or "int4"
+                options["qgz"] = value or QGZ_DEFAULT
             elif key == "cc":
                 if value:
                     raise PlanError(f"cc takes no value in {text!r}")
@@ -129,6 +145,35 @@ class Plan:
 
     def with_options(self, **changes) -> "Plan":
         return replace(self, **changes)
+
+    # ---- quality ------------------------------------------------------------------------------
+    @property
+    def lossy(self) -> bool:
+        """Whether the plan quantizes anything (qwz weights or qgz gradients): its training differs from exact."""
+        return bool(self.qwz or self.qgz)
+
+    @property
+    def error_feedback(self) -> bool:
+        return bool(self.qgz and self.qgz.endswith("+ef"))
+
+    def qgz_hops(self, tiers: int) -> tuple[str, ...]:
+        """The qgz codec spec of each of ``tiers`` tiers, innermost first ([Note: qgz specs]); () without qgz."""
+        if not self.qgz:
+            return ()
+        body = self.qgz.removesuffix("+ef")
+        entries = body.split("/")
+        if body == QGZ_DEFAULT and len(entries) > tiers:
+            entries = entries[-tiers:]
+        if len(entries) > tiers:
+            raise PlanError(f"qgz={body} names {len(entries)} codecs but the topology has {tiers} tier(s): "
+                            f"give at most {tiers}, innermost first, the last for the outermost tier")
+        return tuple([entries[0]] * (tiers - len(entries)) + entries)
+
+    def quality(self, topology: "Topology | None" = None) -> str:
+        """``'exact'``, or ``'lossy: '`` and the bits of what is quantized, per tier when ``topology`` is given:
+        e.g. ``'lossy: weights int8, gradients int8 (node) / int4 (world)'``."""
+        return self.resolve(topology).quality if topology is not None else \
+            _quality(self.qwz, self.qgz and self.qgz.removesuffix("+ef"))
 
     # ---- topology -----------------------------------------------------------------------------
     def resolve(self, topology: "Topology") -> "Placement":
@@ -156,6 +201,7 @@ class Plan:
         if self.qgz and g == 0 and os_ == 0:
             raise PlanError("qgz quantizes gradient reduction, but g and os are both N (plain all-reduce): "
                             "use a plan that reduce-scatters, e.g. NIG+qgz")
+        self.qgz_hops(len(topology.sizes))
         return Placement(self, topology, p, g, os_, tuple(sorted(hpz)))
 
 
@@ -178,6 +224,31 @@ class Placement:
         names = self.topology.level_name
         return f"p={names(self.p)},g={names(self.g)},os={names(self.os)}"
 
+    @property
+    def qgz_spec(self) -> str | None:
+        """One qgz codec per tier joined by ``/`` (what ``comm.codecs.hop_codecs`` maps one to one), or None."""
+        return "/".join(self.plan.qgz_hops(len(self.topology.sizes))) or None
+
+    def gradient_bits(self) -> tuple[tuple[str, str], ...]:
+        """(tier name, codec) of each tier the quantized gradient reductions cross (levels 1 .. max(g, os))."""
+        hops = self.plan.qgz_hops(len(self.topology.sizes))
+        return tuple((self.topology.level_name(k), hops[k - 1]) for k in range(1, max(self.g, self.os) + 1)
+                     if hops and self.size(k) > self.size(k - 1))
+
+    @property
+    def quality(self) -> str:
+        """``Plan.quality`` on this topology: the codec's bits on each tier the gradients cross."""
+        runs: list[tuple[str, list[str]]] = []          # consecutive tiers with the same bits
+        for tier, spec in self.gradient_bits():
+            if runs and runs[-1][0] == _bits(spec):
+                runs[-1][1].append(tier)
+            else:
+                runs.append((_bits(spec), [tier]))
+        text = runs[0][0] if len(runs) == 1 else " / ".join(f"{b} ({', '.join(tiers)})" for b, tiers in runs)
+        if runs and self.plan.error_feedback:
+            text += " +ef"
+        return _quality(self.plan.qwz if self.size(self.p) > 1 else None, text if runs else None, bits=False)
+
 
 def _option_tokens(plan: Plan) -> list[str]:
     tokens = []
@@ -186,16 +257,35 @@ def _option_tokens(plan: Plan) -> list[str]:
     if plan.qwz:
         tokens.append("qwz" if plan.qwz == "int8" else f"qwz={plan.qwz}")
     if plan.qgz:
-        tokens.append("qgz" if plan.qgz == "int4" else f"qgz={plan.qgz}")
+        body = plan.qgz.removesuffix("+ef")
+        tokens.append(("qgz" if body == QGZ_DEFAULT else f"qgz={body}") + ("+ef" if plan.error_feedback else ""))
     if plan.cc:
         tokens.append("cc")
     return tokens
+
+
+def _bits(spec: str) -> str:
+    """``'int8'`` or ``'int4'`` for one hop's codec spec."""
+    return "int" + spec.removeprefix("int")[0]
+
+
+def _quality(qwz: str | None, qgz: str | None, bits: bool = True) -> str:
+    parts = ([f"weights {_bits(qwz)}"] if qwz else []) + \
+        ([f"gradients {'/'.join(_bits(s) for s in qgz.split('/')) if bits else qgz}"] if qgz else [])
+    return "lossy: " + ", ".join(parts) if parts else "exact"
 
 
 def _check_codec(name: str, spec: str, codecs: tuple[str, ...], allow_ef: bool) -> None:
     body, ef = (spec[:-3], True) if spec.endswith("+ef") else (spec, False)
     if ef and not allow_ef:
         raise PlanError(f"{name} does not take error feedback (+ef); only qgz does")
+    if allow_ef:
+        if not _QGZ_SPEC.fullmatch(body):
+            raise PlanError(
+                f"unknown qgz codec {body!r}: give one codec per tier, innermost first, joined by '/', each int8 or "
+                "int4 (or 8, 4), an optional :BLOCK (a positive integer), then the flags :h (rotate) and :sr "
+                "(stochastic rounding), each at most once; e.g. qgz=8/4, qgz=int8:128:h/int4:128:h, qgz=int4+ef")
+        return
     codec, _, block = body.partition(":")
     if codec not in codecs:
         raise PlanError(f"unknown {name} codec {codec!r}: use one of {', '.join(codecs)}")

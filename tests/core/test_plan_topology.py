@@ -135,3 +135,81 @@ def test_load_full_state_dict_errors_and_partial_load():
         assert "ln_f.weight: shape (3,)" in res["shape"], res
         assert res["untouched"], "a rejected state dict must leave the model as it was"
         assert res["partial_ok"], res
+
+
+# ---- per-hop qgz specs and plan quality ([Note: qgz specs] in plan.py) ------------------------------------------
+@pytest.mark.parametrize("text, shown", [
+    ("GGG+qgz=8/4", "GGG+qgz=8/4"), ("IIG+qgz=int8:128:h/int4:128:h", "IIG+qgz"), ("zero++", "GGG+hpz+qwz+qgz"),
+    ("NIG+qgz=int8:64:h/int4:32:h:sr+ef", "NIG+qgz=int8:64:h/int4:32:h:sr+ef"), ("GGG+qgz+ef", "GGG+qgz+ef"),
+    ("GGG+qgz=int4", "GGG+qgz=int4"), ("GGG+qgz=4:h", "GGG+qgz=4:h")])
+def test_per_hop_qgz_specs_round_trip(text, shown):
+    plan = ts.Plan.parse(text)
+    assert str(plan) == shown and ts.Plan.parse(shown) == plan
+
+
+def test_bare_qgz_is_the_per_hop_default():
+    assert ts.Plan.parse("GGG+qgz").qgz == ts.plan.QGZ_DEFAULT == "int8:128:h/int4:128:h"
+    assert ts.Plan.parse("zero++").qgz == ts.plan.QGZ_DEFAULT
+    assert ts.Plan.parse("GGG+qgz=int4").qgz == "int4"          # int4 on every hop, as before
+    # tiers: the last entry is the outermost tier, the first repeats for the inner tiers not named
+    three, one = ts.Topology((2, 4, 8)), ts.Topology((8,))
+    assert ts.Plan.parse("GGG+qgz=8/4").resolve(three).qgz_spec == "8/8/4"
+    assert ts.Plan.parse("GGG+qgz=8/4+ef").qgz_hops(3) == ("8", "8", "4")
+    assert ts.Plan.parse("GGG+qgz=4").qgz_hops(3) == ("4", "4", "4")
+    assert ts.Plan.parse("GGG+qgz").resolve(one).qgz_spec == "int4:128:h"   # the default's outermost entry
+    assert ts.Plan.parse("GGG").resolve(three).qgz_spec is None
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("GGG+qgz=int3", "unknown qgz codec 'int3'.*e.g. qgz=8/4"), ("GGG+qgz=int4:0", "positive integer"),
+    ("GGG+qgz=8//4", "joined by '/'"), ("GGG+qgz=int4:h:h", "each at most once"), ("GGG+qgz=int4+ef+ef", "twice"),
+    ("GGG+qgz=int8:h:128", "unknown qgz codec")])
+def test_bad_qgz_specs_name_the_fix(text, fragment):
+    with pytest.raises(ts.PlanError, match=fragment):
+        ts.Plan.parse(text)
+
+
+def test_a_qgz_list_longer_than_the_tiers_fails_at_resolve():
+    plan = ts.Plan.parse("GGG+qgz=8/8/4")                     # a valid text: it fits three tiers
+    assert plan.resolve(ts.Topology((2, 4, 8))).qgz_spec == "8/8/4"
+    with pytest.raises(ts.PlanError, match="names 3 codecs but the topology has 2 tier.*at most 2"):
+        plan.resolve(ts.Topology((4, 8)))
+
+
+def test_plans_say_whether_they_are_lossy():
+    two = ts.Topology((4, 8))
+    assert not ts.Plan.parse("IIG").lossy and ts.Plan.parse("IIG").quality(two) == "exact"
+    assert ts.Plan.parse("GGG+hpz+cc").quality() == "exact"
+    assert ts.Plan.parse("GGG+qwz").lossy and ts.Plan.parse("NIG+qgz=int4").lossy
+    assert ts.Plan.parse("zero++").quality(two) == "lossy: weights int8, gradients int8 (node) / int4 (world)"
+    assert ts.Plan.parse("zero++").quality() == "lossy: weights int8, gradients int8/int4"
+    assert ts.Plan.parse("NIG+qgz=int4+ef").quality(two) == "lossy: gradients int4 +ef"
+    # only the tiers the quantized reductions cross count: IIG+qgz reduce-scatters over node, then world (g < os)
+    assert ts.Plan.parse("IIG+qgz=8/4").quality(ts.Topology((2, 4, 8))) == \
+        "lossy: gradients int8 (pair, node) / int4 (world)"
+    assert ts.Plan.parse("IIN+qgz=8/4").quality(ts.Topology((2, 4, 8))) == "lossy: gradients int8"   # no world hop
+
+
+SPECS = ["int8", "int4", "8", "4", "int8:128", "int4:128:h", "int4:128:h:sr", "int8:h", "4:sr", "8/4",
+         "int8:128:h/int4:128:h", "int8/int8/int4", "int3", "int4:0", "int4:sr:h", "int4:h:h", "8//4", "int8:h:128",
+         "", "int8:"]
+
+
+def test_plan_grammar_agrees_with_the_codec_parser():
+    """plan.py checks qgz specs with one regex; the codec layer parses them at run time: both accept the same."""
+    codecs = pytest.importorskip("tiershard.comm.codecs")
+    if not hasattr(codecs, "hop_codecs"):
+        pytest.skip("the codec layer has no hop_codecs (per-hop qgz codecs) yet")
+    for spec in SPECS:
+        try:
+            plan = ts.Plan(qgz=spec)
+        except ts.PlanError:
+            plan = None
+        try:
+            hops = codecs.hop_codecs(spec, 3)
+        except ValueError:
+            hops = None
+        assert (plan is None) == (hops is None), spec
+        if plan is not None:        # and map a list onto the tiers alike
+            assert [c.spec for c in codecs.hop_codecs(plan.resolve(ts.Topology((2, 4, 8))).qgz_spec, 3)] == \
+                [c.spec for c in hops], spec

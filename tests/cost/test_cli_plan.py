@@ -23,9 +23,25 @@ def test_flags_print_a_ranked_table(capsys):
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line[:4].strip().isdigit()]
     assert len(rows) == 5
-    assert "fastest that fits" in rows[0] and "world GB/node" in out
+    assert "fastest exact plan" in rows[0] and "world GB/node" in out
     times = [float(r.split()[2]) for r in rows]
     assert times == sorted(times)
+    assert all("  exact  " in r for r in rows) and "--allow-lossy ranks the quantized ones" in out
+
+
+def test_allow_lossy_ranks_the_quantized_plans_and_marks_them(capsys):
+    slow = ["--inter-bw", "10Gbps/node", "--top", "3"]
+    assert main(FLAGS + slow + ["--allow-lossy"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line[:4].strip().isdigit()]
+    assert "lossy w8 g8/4" in rows[0] and "lossy plan allowed: fastest that fits (weights int8, gradients int8 " \
+        "(node) / int4 (world))" in rows[0], rows[0]
+    assert "best    GNG+hpz+qwz+qgz:" in out and "exact plans only" not in out
+    exact = _json(capsys, FLAGS + slow)
+    assert exact["allow_lossy"] is False and exact["plans"][0]["quality"] == "exact"
+    assert not any(p["lossy"] for p in exact["plans"])
+    lossy = _json(capsys, FLAGS + slow + ["--allow-lossy"])
+    assert lossy["plans"][0]["lossy"] and lossy["plans"][0]["step_time_s"] < exact["plans"][0]["step_time_s"]
 
 
 def test_json_matches_the_flags(capsys):
@@ -33,7 +49,8 @@ def test_json_matches_the_flags(capsys):
     assert [t["size"] for t in doc["cluster"]["tiers"]] == [8, 64]
     assert doc["cluster"]["tiers"][1]["bandwidth"] == 25e9 and doc["cluster"]["gpu_memory"] == 80e9
     assert doc["job"]["accum"] == 4
-    assert doc["evaluated"] == len(doc["plans"]) == 238       # --json shows all
+    assert doc["evaluated"] == len(doc["plans"]) == 72        # --json shows all; exact plans only
+    assert _json(capsys, FLAGS + ["--allow-lossy"])["evaluated"] == 238   # with every qwz / qgz option
     assert doc["plans"][0]["plan"] == doc["best"] and doc["plans"][0]["fits"]
     steps = [float(f'{p["step_time_s"]:.6g}') for p in doc["plans"] if p["fits"]]   # ranked to 6 digits
     assert steps == sorted(steps)
@@ -43,8 +60,9 @@ def test_json_matches_the_flags(capsys):
 def test_slow_inter_link_changes_the_answer(capsys):
     fast = _json(capsys, FLAGS + ["--top", "1"])["best"]
     slow = _json(capsys, FLAGS + ["--inter-bw", "10Gbps/node", "--top", "1"])["best"]
-    assert fast != slow
-    assert "qgz" in slow or "I" in slow.split("+")[0]
+    assert fast != slow and "hpz" in slow          # exact: a cached weight shard saves inter-node gathers
+    lossy = _json(capsys, FLAGS + ["--inter-bw", "10Gbps/node", "--top", "1", "--allow-lossy"])["best"]
+    assert "qgz" in lossy or "I" in lossy.split("+")[0]
 
 
 @pytest.mark.parametrize("preset,tiers", [("frontier", ["pair", "node", "world"]), ("v100-100g", ["node", "world"]),

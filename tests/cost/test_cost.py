@@ -104,12 +104,14 @@ def test_zero3_moves_3m_and_zeropp_075m_per_node():
     v100 = clusters.preset("v100-100g", 384)
     model = ModelSpec.named("18b")
     zero3 = cost.evaluate("zero3", model, v100, Job())
-    zpp = cost.evaluate("zero++", model, v100, Job())
+    zpp = cost.evaluate("GGG+hpz+qwz+qgz=int4", model, v100, Job())     # the paper's ZeRO++: int4 on every hop
+    default = cost.evaluate("zero++", model, v100, Job())               # int8 inside a node, int4:128 between
     # forward gathers, backward gathers (all but the root, which stays gathered for its backward), reduce-scatters
     assert _m(zero3, model) == pytest.approx((3 - model.root_params() / model.params) * 383 / 384, rel=1e-3)
     # 0.5M (int8 payload + 4 B per block) + 0 (hpZ) + 0.25M x 23/24 (int4 payload + 4 B per block of 0.5 B values)
     int8, int4 = 1 + 4 / DEFAULT_BLOCKS[8], 1 + 8 / DEFAULT_BLOCKS[4]
     assert _m(zpp, model) == pytest.approx(0.5 * int8 * 383 / 384 + 0.25 * int4 * 23 / 24, rel=2e-3)
+    assert _m(default, model) == pytest.approx(0.5 * int8 * 383 / 384 + 0.25 * (1 + 8 / 128) * 23 / 24, rel=2e-3)
     payload = 0.5 * 383 / 384 + 0.25 * 23 / 24
     assert payload == pytest.approx(0.75, abs=0.015)      # the paper's 0.75M, which drops the (k-1)/k factors
     assert zpp.step_time < zero3.step_time

@@ -3,6 +3,9 @@
 The cluster, model and job come from, in increasing priority: the dgx-a100 preset (for numbers nobody gave),
 ``--config FILE`` ([model], [cluster], [job] tables), ``--cluster-file FILE`` (e.g. from ``tiershard probe``),
 ``--cluster PRESET`` or ``--tiers``, then the single-number flags.
+
+Only exact plans are ranked unless ``--allow-lossy`` (qwz, qgz change the training numerics, docs/zeropp.md);
+plans named with ``--plans`` are all ranked. Each row says ``exact`` or ``lossy`` with the codecs' bits.
 """
 from __future__ import annotations
 
@@ -64,6 +67,8 @@ def add_parser(subparsers) -> None:
     j.add_argument("--grad-bytes", type=int, help="bytes per accumulated gradient element (default 2; the engine's fp32: 4)")
     o = p.add_argument_group("output")
     o.add_argument("--plans", help="comma-separated plans to compare instead of all, e.g. zero3,zero++,IIG")
+    o.add_argument("--allow-lossy", action="store_true",
+                   help="rank the quantized plans (qwz, qgz) too; they change the training numerics")
     o.add_argument("--top", type=int, help="rows to show (default 10; 0 = all; --json shows all)")
     o.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
@@ -85,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         model, cluster, job = build(args)
         candidates = [s.strip() for s in args.plans.split(",") if s.strip()] if args.plans else None
-        ranked = rank_plans(model, cluster, job, candidates)
+        ranked = rank_plans(model, cluster, job, candidates, args.allow_lossy)
     except (ValueError, PlanError, TopologyError) as err:
         raise CliError(str(err)) from None
     if not ranked or not ranked[0].fits:
@@ -93,10 +98,13 @@ def run(args: argparse.Namespace) -> int:
     top = args.top if args.top is not None else (0 if args.json else 10)
     shown = ranked[:top] if top > 0 else ranked
     if args.json:
-        json.dump(as_json(model, cluster, job, ranked, shown), sys.stdout, indent=1)
+        json.dump(as_json(model, cluster, job, ranked, shown) | {"allow_lossy": args.allow_lossy},
+                  sys.stdout, indent=1)
         print()
     else:
         print(render(model, cluster, job, ranked, shown))
+        if not args.allow_lossy and candidates is None:
+            print("(exact plans only: --allow-lossy ranks the quantized ones, qwz and qgz, too)")
     return 0
 
 
@@ -214,17 +222,28 @@ def render(model: ModelSpec, cluster: Cluster, job: Job, ranked: list[Estimate],
     best = ranked[0]
     lines = describe(model, cluster, job)
     lines.append(f"best    {best.plan}: {best.step_time:.4g} s per step, {best.tflops_per_device:.3g} TFLOPS per "
-                 f"device, {best.memory.total / 1e9:.3g} GB per device")
+                 f"device, {best.memory.total / 1e9:.3g} GB per device; {best.reason}")
     lines.append("")
     head = f"{'#':>4}  {'plan':<24} {'step s':>8} {'x best':>7} {'mem GB':>7} {outer + ' GB/node':>14} " \
-           f"{'exposed s':>9}  why"
+           f"{'exposed s':>9}  {'quality':<16}  why"
     lines.append(head)
     for i, e in enumerate(shown, 1):
         lines.append(f"{i:>4}  {str(e.plan):<24} {e.step_time:>8.4g} {e.step_time / best.step_time:>7.3f} "
-                     f"{e.memory.total / 1e9:>7.3g} {e.bytes_per_group(outer) / 1e9:>14.4g} {e.exposed:>9.3g}  {e.reason}")
+                     f"{e.memory.total / 1e9:>7.3g} {e.bytes_per_group(outer) / 1e9:>14.4g} {e.exposed:>9.3g}  "
+                     f"{short_quality(e):<16}  {e.reason}")
     fit = sum(e.fits for e in ranked)
     lines.append(f"({len(ranked)} plans, {fit} fit; showing {len(shown)}{'; --top 0 for all' if len(shown) < len(ranked) else ''})")
     return "\n".join(lines)
+
+
+def short_quality(e: Estimate) -> str:
+    """``exact``, or ``lossy`` with the bits: ``w8 g8/4`` is int8 weights, int8 then int4 gradients per tier."""
+    if not e.plan.lossy:
+        return "exact"
+    weights = " w8" if "weights" in e.quality else ""
+    grads = e.quality.partition("gradients ")[2]
+    bits = "/".join(part.strip()[3] for part in grads.split("/")) if grads else ""
+    return f"lossy{weights}{' g' + bits if bits else ''}{' +ef' if e.plan.error_feedback and bits else ''}"
 
 
 def as_json(model: ModelSpec, cluster: Cluster, job: Job, ranked: list[Estimate], shown: list[Estimate]) -> dict:

@@ -54,6 +54,8 @@ FLAGS: list[tuple[str, str, str, type, str]] = [
     ("--backend", "parallel", "backend", str, "auto (nccl with a GPU per rank, else gloo), gloo or nccl"),
     ("--max-restarts", "parallel", "max_restarts", int,
      "restarts after a rank fails, each resuming from the last checkpoint (needs --save-every, --resume auto)"),
+    ("--allow-lossy", "parallel", "allow_lossy", bool,
+     "let --plan auto pick a quantized plan (qwz, qgz), which changes the training numerics; default: exact only"),
 ]
 
 
@@ -137,12 +139,16 @@ def check(cfg, topo):
         except CheckpointError as err:
             raise CliError(f"--resume: {err}") from None
     if cfg.parallel.plan == "auto":
-        cfg = replace(cfg, parallel=replace(cfg.parallel, plan=_auto_plan(cfg, topo)))
-        print(f"plan auto: the planner chose {cfg.parallel.plan} for {topo.sizes}", flush=True)
+        plan, reason = _auto_plan(cfg, topo)
+        cfg = replace(cfg, parallel=replace(cfg.parallel, plan=plan))
+        print(f"plan auto: the planner chose {cfg.parallel.plan} for {topo.sizes} ({reason})", flush=True)
     try:
-        Plan.parse(cfg.parallel.plan).resolve(topo)
+        placement = Plan.parse(cfg.parallel.plan).resolve(topo)
     except PlanError as err:
         raise CliError(f"plan {cfg.parallel.plan!r} does not fit topology {topo.sizes}: {err}") from None
+    if placement.plan.lossy:
+        print(f"plan {cfg.parallel.plan} is {placement.quality} (quantized: the loss differs from an exact plan's)",
+              flush=True)
     try:
         tokens = data_mod.load(cfg.data)
         tokens.check_fits(cfg.model.block_size)
@@ -154,14 +160,15 @@ def check(cfg, topo):
     return cfg
 
 
-def _auto_plan(cfg, topo) -> str:
-    """The planner's pick for this machine: its memory per rank, links of 10 GB/s inside a node, 1 GB/s between.
+def _auto_plan(cfg, topo) -> tuple[str, str]:
+    """The planner's pick for this machine and why: its memory per rank, links of 10 GB/s inside a node, 1 GB/s
+    between; exact plans only unless ``parallel.allow_lossy``.
 
     The bandwidths are an assumption (emulated nodes share one machine); give --plan to choose yourself.
     """
     try:
         cost = importlib.import_module("tiershard.cost")
-        auto_plan, Cluster, Tier, Job = cost.auto_plan, cost.Cluster, cost.Tier, cost.Job
+        auto_estimate, Cluster, Tier, Job = cost.auto_estimate, cost.Cluster, cost.Tier, cost.Job
     except (ImportError, AttributeError):
         raise CliError("--plan auto needs the planner (tiershard.cost.auto_plan), which this install lacks: "
                        "give a plan such as IIG or zero3") from None
@@ -183,7 +190,8 @@ def _auto_plan(cfg, topo) -> str:
     with torch.device("meta"):
         model = GPT(cfg.model)
     try:
-        return str(auto_plan(model, cluster, job))
+        best = auto_estimate(model, cluster, job, allow_lossy=cfg.parallel.allow_lossy)
+        return str(best.plan), best.reason
     except ValueError as err:  # NoPlanFits and friends
         raise CliError(f"--plan auto: {err}") from None
 

@@ -68,7 +68,7 @@ def unit_shapes(model: ModelSpec, job: Job, chunking: tuple[int, ...],
 
 def plan_collectives(pl: Placement, model: ModelSpec, job: Job) -> list[Collective]:
     """Every collective of one optimizer step, as ``traffic.group_collectives`` lists them (with the qwz / qgz
-    wire formats: int8 gathers, per-tier int4 all-to-all hops)."""
+    wire formats: int8 gathers, one all-to-all hop per tier in that tier's codec)."""
     out: list[Collective] = []
     for shape, units in unit_shapes(model, job, pl.topology.chunking(pl.os), pl.topology.chunking(pl.p)):
         for c in group_collectives(pl, shape, job.param_bytes, job.reduce_bytes, job.accum):

@@ -9,7 +9,11 @@ Model states in mixed precision (reference/papers.md section 1)::
 
 with d the group size of the level (1 = replicated). Transient buffers: a sharded p gathers one unit at a
 time and prefetches the next (2 full units in working precision, plus an int8 receive buffer with qwz); a
-sharded g holds one unit's full gradient before reducing it (plus the int4 send/receive buffers with qgz).
+sharded g holds one unit's full gradient before reducing it (plus, with qgz, the send and receive wire buffers of
+its first hop in that tier's codec, and with ``+ef`` the decoded sent values and the new residual; the rotation
+works block by block inside the kernels and needs no copy). Error feedback (``+ef``) keeps, for every trainable
+parameter and every quantized hop, the fp32 residual of that hop's input (``feedback_bytes``;
+``QuantizedReduceScatter.residual_bytes()`` counts the same on a running engine).
 Activations, per micro-step, assume flash attention (no s^2 term) and half-precision activations, after
 Korthikanti et al.: 34·s·b·h bytes per layer; with recompute only each layer's input (2·s·b·h) is kept,
 plus one layer's working set. The logits and their gradient add 8·s·b·V (fp32).
@@ -17,9 +21,13 @@ plus one layer's working set. The logits and their gradient add 8·s·b·V (fp32
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Sequence
 
+from ..comm.codecs import codec_from_spec
 from ..plan import Placement
+from ..runtime.layout import ParamLayout
 from .specs import Job, ModelSpec
+from .traffic import plan_codecs
 
 ACT_BYTES_PER_LAYER = 34   # per token per hidden unit, no recompute (half precision, flash attention)
 
@@ -34,6 +42,7 @@ class Memory:
     hpz: float
     buffers: float
     activations: float
+    feedback: float = 0.0    # qgz error-feedback residuals (fp32, one per quantized hop's input)
 
     @property
     def model_states(self) -> float:
@@ -60,7 +69,7 @@ def memory(pl: Placement, model: ModelSpec, job: Job) -> Memory:
     if pl.p > 0:
         buffers += 2 * unit * job.param_bytes + (unit if plan.qwz else 0)
     if pl.g > 0:
-        buffers += unit_t * job.reduce_bytes + (unit_t if plan.qgz else 0)
+        buffers += unit_t * job.reduce_bytes + (qgz_scratch(pl, unit_t) if plan.qgz else 0)
     return Memory(
         params=job.param_bytes * psi / d(pl.p),
         grads=job.grad_bytes * psi_t / d(pl.g),
@@ -68,7 +77,31 @@ def memory(pl: Placement, model: ModelSpec, job: Job) -> Memory:
         hpz=sum(job.param_bytes * psi / d(h) for h in pl.hpz),
         buffers=buffers,
         activations=activations(model, job),
+        feedback=feedback_bytes(pl, psi_t),
     )
+
+
+def _hops(pl: Placement) -> list[int]:
+    """The tiers the quantized gradient reductions cross (0 -> g, then g -> os), innermost first."""
+    d = pl.size
+    return [k for k in range(1, max(pl.g, pl.os) + 1) if d(k) > d(k - 1)] if pl.plan.qgz else []
+
+
+def feedback_bytes(pl: Placement, numel: float) -> float:
+    """Bytes of qgz's error-feedback residuals for ``numel`` gradient values on one device: an fp32 copy of each
+    hop's input, the rank's level-(k-1) chunk for the hop over tier k (0 without ``+ef``)."""
+    return sum(4 * numel / pl.size(k - 1) for k in _hops(pl)) if pl.plan.error_feedback else 0.0
+
+
+def qgz_scratch(pl: Placement, numel: float) -> float:
+    """Transient bytes of one reduction of ``numel`` values with qgz: its first (largest) hop's send and receive
+    wire buffers in that hop's codec, and with ``+ef`` the decoded sent values and the new residual (fp32)."""
+    hops = _hops(pl)
+    if not hops:
+        return 0.0
+    codec = plan_codecs(pl)[1][hops[0] - 1]
+    wire = numel * codec.bits / 8 + 4 * numel / codec.block
+    return 2 * wire + (8 * numel if pl.plan.error_feedback else 0)
 
 
 def activations(model: ModelSpec, job: Job) -> float:
@@ -79,3 +112,86 @@ def activations(model: ModelSpec, job: Job) -> float:
     else:
         layers = model.layers * ACT_BYTES_PER_LAYER * sbh
     return layers + 8 * job.tokens * model.vocab
+
+
+# ---- one sharded model, exactly: the breakdown ts.memory_stats measures ([Note: memory breakdown], engine.py) ----
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """One flat group as the engine lays it out: all that its bytes depend on."""
+
+    unit: int                          # its unit's place in registration order (0: the root)
+    trainable: bool
+    numel: int                         # S: the padded (slots x U) matrix
+    params: tuple[ParamLayout, ...]
+
+
+def engine_layouts(engine) -> list[GroupLayout]:
+    """The flat groups of a sharded model's engine (``runtime.engine.Engine``), read from their layouts only."""
+    return [GroupLayout(index, group.trainable, group.S, tuple(group.layouts))
+            for index, unit in enumerate(engine.units) for group in unit.groups]
+
+
+def breakdown(pl: Placement, groups: Sequence[GroupLayout], rank: int, param_bytes: int, optimizer_states: int,
+              prefetch: int = 1, micro_steps: int = 1) -> dict[str, int]:
+    """Bytes rank ``rank`` holds by what they hold, as ``ts.memory_stats`` names them, at the end of a step's last
+    backward (before ``optimizer.step``, after at least one step: the optimizer states exist), and the peaks of
+    gathered weights over a training step. ``optimizer_states``: fp32 tensors per master (AdamW 2, SGD with
+    momentum 1); ``micro_steps``: of that step (more than one leaves the gradients in the masters' shards)."""
+    topo, d = pl.topology, pl.size
+    world, plan = topo.world_size, pl.plan
+    qwz = codec_from_spec(plan.qwz) if plan.qwz else None
+    out = dict.fromkeys(("master_weights", "optimizer_states", "gradients", "frozen_weights", "working_weights",
+                         "hpz_bands", "gathered", "comm_buffers", "codec_scratch", "ef_residuals"), 0)
+    working: dict[int, int] = {}       # unit -> bytes of its gathered working tensors
+    matrices: dict[int, int] = {}      # unit -> bytes of its gathered (slots x U) matrices
+    for g in groups:
+        S = g.numel
+        level = pl.os if g.trainable else pl.p
+
+        def bands(lvl: int):
+            slots = world // d(lvl)
+            return [layout.band(topo.chunk_index(rank, lvl) * slots, slots) for layout in g.params]
+
+        shards = [b.length * layout.row for b, layout in zip(bands(level), g.params)]
+        if not g.trainable:
+            out["frozen_weights"] += sum(shards) * param_bytes
+        else:
+            out["master_weights"] += 4 * sum(shards)
+            out["optimizer_states"] += 4 * optimizer_states * sum(shards)
+            out["gradients"] += 4 * _grad_elements(bands(pl.os), g.params, world // d(pl.os), shards, micro_steps)
+            if pl.p == 0:
+                out["working_weights"] += param_bytes * sum(layout.numel for layout in g.params)
+            elif pl.p != pl.os:
+                out["working_weights"] += param_bytes * S // d(pl.p)
+            out["ef_residuals"] += round(feedback_bytes(pl, S))
+        if pl.p > 0:
+            for h in pl.hpz:
+                out["hpz_bands"] += param_bytes * S // d(h) if qwz is None else \
+                    d(pl.p) // d(h) * qwz.wire_bytes(S // d(pl.p))
+            if qwz is not None:
+                out["codec_scratch"] += qwz.wire_bytes(S // d(pl.p))
+            working[g.unit] = working.get(g.unit, 0) + param_bytes * sum(layout.numel for layout in g.params)
+            matrices[g.unit] = matrices.get(g.unit, 0) + param_bytes * S
+    # the root stays gathered; every other unit is released before the next is copied out
+    others = [working[u] for u in working if u != 0]
+    out["peak_gathered"] = working.get(0, 0) + max(others, default=0)
+    # in flight: a unit's own matrix, or the next max(prefetch, 1) units' (registration order, root aside)
+    units = sorted(u for u in matrices if u != 0)
+    depth = max(prefetch, 1)
+    windows = [sum(matrices[u] for u in units[i:i + depth]) for i in range(len(units))]
+    out["peak_gather_buffers"] = max([matrices.get(0, 0), *windows])
+    return out
+
+
+def _grad_elements(bands, params, slots: int, shards: list[int], micro_steps: int) -> int:
+    """Elements of the masters' gradient storage after the boundary: the shards themselves after accumulating
+    micro-steps (``PendingGrad``), else the level-os band (views of it, one slot) or one block per parameter,
+    with a copy for a shard whose real rows are picked by index."""
+    if micro_steps > 1:
+        return sum(shards)
+    views = [b.index is None for b in bands]
+    copies = sum(n for n, view in zip(shards, views) if not view)
+    if slots == 1:
+        return (sum(layout.cols for layout in params) if any(views) else 0) + copies
+    return sum(slots * layout.cols for layout, view in zip(params, views) if view) + copies

@@ -13,6 +13,13 @@ comm waits for the last backward: the gradient sync is fully exposed. The parame
 step runs in the next forward, each unit's inside its gather ([Note: deferred rebuild], runtime/flat.py), so
 it hides behind at most the first micro-step's forward, out of the same overlap budget. The optimizer step's
 own time is left out (it is the same order for every plan that shards os alike).
+
+[Note: quality rule] Quantized plans (qwz, qgz) change the training numerics, which step time cannot price, so the
+planner never trades quality for speed unasked: by default it generates exact plans only and its pick is the
+fastest exact plan; ``allow_lossy=True`` (``--allow-lossy``) adds the qwz / qgz plans, with bare ``qgz`` (int8
+inside, int4 on the outermost tier, rotated) as their gradient codec. Plans named in ``candidates`` are all
+ranked as given: naming a lossy plan allows it. Every estimate carries its ``quality`` and the best one's
+``reason`` names the choice ('fastest exact plan', 'lossy plan allowed: ...').
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ import itertools
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
-from ..plan import Plan, PlanError
+from ..plan import QGZ_DEFAULT, Plan, PlanError
 from ..topology import Topology
 from .comm import Priced, price_plan
 from .memory import Memory, memory
@@ -49,6 +56,7 @@ class Estimate:
     model_flops: float = field(repr=False, default=0.0)
     overlap: float = field(repr=False, default=1.0)
     reason: str = ""
+    quality: str = "exact"            # Plan.quality on the cluster: 'exact' or 'lossy: ...' with the bits per tier
 
     @property
     def fits(self) -> bool:
@@ -80,6 +88,7 @@ class Estimate:
             "tier_bytes_total": dict(self.tier_bytes),
             "tier_bytes_per_group": {t: self.bytes_per_group(t) for t in self.group_sizes},
             "tier_seconds": dict(self.tier_seconds), "reason": self.reason,
+            "lossy": self.plan.lossy, "quality": self.quality,
         }
 
 
@@ -119,11 +128,13 @@ def evaluate(plan: Plan | str, model: ModelSpec, cluster: Cluster, job: Job) -> 
         tier_bytes=tier_bytes, tier_seconds=tier_seconds, compute=compute, comm_micro=micro,
         comm_boundary=boundary, step_time=compute + max(0.0, micro + hidden - overlap * compute) + boundary - hidden,
         world=cluster.world_size, group_sizes={t.name: s for t, s in zip(cluster.tiers, sizes)},
-        model_flops=job.accum * job.tokens * (4 * model.params + 2 * model.trainable), overlap=overlap)
+        model_flops=job.accum * job.tokens * (4 * model.params + 2 * model.trainable), overlap=overlap,
+        quality=pl.quality)
 
 
-def candidate_plans(topology: Topology, options: bool = True) -> list[Plan]:
-    """Every placement of p, g, os over the topology's levels, with every hpz / qwz / qgz / cc option that applies."""
+def candidate_plans(topology: Topology, options: bool = True, lossy: bool = True) -> list[Plan]:
+    """Every placement of p, g, os over the topology's levels, with every hpz / cc option that applies, and with
+    ``lossy`` the qwz (int8) and qgz (bare ``qgz``, per-hop int8/int4) options too ([Note: quality rule])."""
     top = topology.num_levels - 1
     names = {0: "N", top: "G"}
     if top >= 2:
@@ -138,7 +149,8 @@ def candidate_plans(topology: Topology, options: bool = True) -> list[Plan]:
         finer = [levels[h] for h in range(1, p)]
         hpz_sets = [tuple(s) for n in range(len(finer) + 1) for s in itertools.combinations(finer, n)]
         for hpz, qwz, qgz, cc in itertools.product(
-                hpz_sets, (None, "int8") if p > 0 else (None,), (None, "int4") if g or os_ else (None,),
+                hpz_sets, (None, "int8") if p > 0 and lossy else (None,),
+                (None, QGZ_DEFAULT) if (g or os_) and lossy else (None,),
                 (False, True) if top >= 2 else (False,)):
             out.append(base.with_options(hpz=hpz, qwz=qwz, qgz=qgz, cc=cc))
     return out
@@ -175,20 +187,38 @@ def _ranking_keys(estimates: Sequence[Estimate]) -> list[tuple]:
     return keys
 
 
-def rank_estimates(estimates: Iterable[Estimate]) -> list[Estimate]:
-    """Estimates best first by the tie rule ([Note: tie rule]), each with the reason it loses to the best."""
+def rank_estimates(estimates: Iterable[Estimate], allow_lossy: bool = True) -> list[Estimate]:
+    """Estimates best first by the tie rule ([Note: tie rule]), each with the reason it loses to the best; the
+    best one's names the choice ([Note: quality rule]; ``allow_lossy``: whether lossy plans were generated)."""
     estimates = list(estimates)
     if not estimates:
         return []
     keyed = sorted(zip(_ranking_keys(estimates), estimates), key=lambda ke: ke[0])
     (best_key, best), outer = keyed[0], next(reversed(keyed[0][1].group_sizes))
-    return [replace(e, reason=why(e, best, outer, key, best_key)) for key, e in keyed]
+    ranked = [replace(e, reason=why(e, best, outer, key, best_key)) for key, e in keyed]
+    if best.fits:
+        ranked[0] = replace(ranked[0], reason=choice(best, allow_lossy))
+    return ranked
 
 
-def rank_plans(model: ModelSpec, cluster: Cluster, job: Job,
-               candidates: Iterable[Plan | str] | None = None) -> list[Estimate]:
-    """Estimates of every candidate, best first ([Note: tie rule]), each with the reason it loses to the best."""
-    plans = candidate_plans(cluster.topology) if candidates is None else \
+def choice(best: Estimate, allow_lossy: bool) -> str:
+    """Why the planner picks ``best``, naming how quality entered the choice ([Note: quality rule])."""
+    if not allow_lossy:
+        if best.plan.lossy:       # only a plan named in ``candidates`` can be lossy here
+            return f"lossy plan named: fastest that fits ({best.quality.removeprefix('lossy: ')})"
+        return "fastest exact plan"
+    if best.plan.lossy:
+        return f"lossy plan allowed: fastest that fits ({best.quality.removeprefix('lossy: ')})"
+    return "lossy plans allowed; the fastest that fits is exact"
+
+
+def rank_plans(model: ModelSpec, cluster: Cluster, job: Job, candidates: Iterable[Plan | str] | None = None,
+               allow_lossy: bool = False) -> list[Estimate]:
+    """Estimates of every candidate, best first ([Note: tie rule]), each with the reason it loses to the best.
+
+    Without ``candidates`` every plan of ``candidate_plans`` is ranked, the lossy ones (qwz, qgz) only when
+    ``allow_lossy`` ([Note: quality rule]); named ``candidates`` are all ranked."""
+    plans = candidate_plans(cluster.topology, lossy=allow_lossy) if candidates is None else \
         [Plan.parse(c) if isinstance(c, str) else c for c in candidates]
     estimates = []
     for plan in plans:
@@ -197,7 +227,7 @@ def rank_plans(model: ModelSpec, cluster: Cluster, job: Job,
         except PlanError:
             if candidates is not None:
                 raise
-    return rank_estimates(estimates)
+    return rank_estimates(estimates, allow_lossy)
 
 
 def why(e: Estimate, best: Estimate, outer: str, mine: tuple, theirs: tuple) -> str:
@@ -266,20 +296,29 @@ def _is_module(model: object) -> bool:
 
 
 def auto_plan(model: object, cluster: Cluster, job: Job | None = None, *,
-              candidates: Sequence[Plan | str] | None = None, wrap: object = None) -> Plan:
-    """The fastest plan that fits in memory; ties (times within ``REL_TIE``) go to less quantization, then fewer
+              candidates: Sequence[Plan | str] | None = None, wrap: object = None, allow_lossy: bool = False) -> Plan:
+    """The fastest exact plan that fits in memory, or with ``allow_lossy`` the fastest of all, qwz / qgz plans
+    included ([Note: quality rule]); ties (times within ``REL_TIE``) go to less quantization, then fewer
     outermost-tier bytes, less memory, fewer options, the plan text ([Note: tie rule]). Raises NoPlanFits.
+    ``auto_estimate`` returns the same choice with its estimate and the reason it was chosen.
 
     A torch module is counted unit by unit as ``ts.shard(model, ..., wrap=wrap)`` would cut it (the same
     default for ``wrap=None``), so pass the ``wrap`` you will shard with."""
+    return auto_estimate(model, cluster, job, candidates=candidates, wrap=wrap, allow_lossy=allow_lossy).plan
+
+
+def auto_estimate(model: object, cluster: Cluster, job: Job | None = None, *,
+                  candidates: Sequence[Plan | str] | None = None, wrap: object = None,
+                  allow_lossy: bool = False) -> Estimate:
+    """``auto_plan``'s choice as an Estimate; its ``reason`` names the choice, e.g. 'fastest exact plan'."""
     if not isinstance(cluster, Cluster):
         raise TypeError("auto_plan needs a tiershard.cost.Cluster (tiers with bandwidth and latency), "
                         "e.g. tiershard.cost.presets.preset('dgx-a100', gpus=64)")
     spec = coerce_model(model, wrap)
-    ranked = rank_plans(spec, cluster, job or Job(), candidates)
+    ranked = rank_plans(spec, cluster, job or Job(), candidates, allow_lossy)
     if not ranked or not ranked[0].fits:
         raise no_plan_fits(spec, cluster, ranked)
-    return ranked[0].plan
+    return ranked[0]
 
 
 def no_plan_fits(model: ModelSpec, cluster: Cluster, ranked: Sequence[Estimate]) -> NoPlanFits:

@@ -20,8 +20,9 @@ level ``L`` and top = world:
 
 With qwz every parameter gather moves the int8 encodings of the d(p) chunks (payload plus fp32 scales) instead
 of param bytes. With qgz every reduce-scatter from level a to b becomes one all-to-all per tier between them
-(see [Note: qgZ hops] in comm/quantized.py), each of the encodings of its input's slots, with blocks cut along
-the parameters of each row (``FlatGroupShape.columns``). With cc every other
+(see [Note: qgZ hops] in comm/quantized.py), each of the encodings of its input's slots in that tier's own codec
+(``Placement.qgz_spec``: one per tier), with blocks cut along the parameters of each row
+(``FlatGroupShape.columns``). With cc every other
 collective that spans several tiers runs as one phase per tier (comm/hierarchical.py): a reduce-scatter
 innermost tier first, an all-gather outermost first, an all-reduce both.
 """
@@ -68,8 +69,8 @@ def group_collectives(pl: "Placement", shape: FlatGroupShape, param_bytes: int, 
     top = pl.topology.num_levels - 1
     S, d = shape.numel, pl.size
     out: list[Collective] = []
-    qwz, qgz = _codecs(pl)
-    qgz_feedback = bool(pl.plan.qgz and pl.plan.qgz.endswith("+ef"))
+    qwz, qgz = plan_codecs(pl)
+    qgz_feedback = pl.plan.error_feedback
 
     def reduce_scatter(op: str, inner: int, outer: int, buffer_bytes: int, count: int = 1) -> list[Collective]:
         if qgz is None:
@@ -81,11 +82,11 @@ def group_collectives(pl: "Placement", shape: FlatGroupShape, param_bytes: int, 
             runs = [shape.columns or None]        # one run: no pipeline ([Note: qgZ pipeline])
         width = sum(shape.columns) if shape.columns else S
         for k in range(inner + 1, outer + 1):
-            slots = d(k) // d(k - 1)
+            slots, codec = d(k) // d(k - 1), qgz[k - 1]         # each tier's own codec ([Note: qgz specs], plan.py)
             # each run's rows x its columns per member; encode the hop's input, decode and sum what arrives
             for run in runs:
                 part = S // d(k) * sum(run) // width if run else S // d(k)
-                hops.append(Collective(op, "all_to_all", k - 1, k, slots * qgz.wire_bytes(part, run or None), count,
+                hops.append(Collective(op, "all_to_all", k - 1, k, slots * codec.wire_bytes(part, run or None), count,
                                        2 * 4 * part * slots))
         return hops
 
@@ -135,12 +136,12 @@ def _phases(c: Collective, d) -> list[Collective]:
             for kind in kinds for k in range(c.inner + 1, c.outer + 1)]
 
 
-def _codecs(pl: "Placement"):
-    from ..comm.codecs import codec_from_spec
+def plan_codecs(pl: "Placement"):
+    """The qwz codec (or None) and the qgz codec of each tier, index k-1 for tier k (or None)."""
+    from ..comm.codecs import codec_from_spec, hop_codecs
 
-    plan = pl.plan
-    qwz = codec_from_spec(plan.qwz) if plan.qwz else None
-    qgz = codec_from_spec(plan.qgz.removesuffix("+ef")) if plan.qgz else None
+    qwz = codec_from_spec(pl.plan.qwz) if pl.plan.qwz else None
+    qgz = hop_codecs(pl.qgz_spec, len(pl.topology.sizes)) if pl.plan.qgz else None
     return qwz, qgz
 
 

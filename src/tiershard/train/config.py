@@ -80,6 +80,8 @@ class TrainConfig:
 class ParallelConfig:
     """How the job is laid out: ``nproc`` ranks on this machine, ``ranks_per_node`` to a (possibly emulated)
     node, and the sharding plan (a preset, a PaRO code such as ``IIG``, or ``auto`` for the planner).
+    ``allow_lossy``: let ``auto`` pick a quantized plan (qwz, qgz; they change the training numerics); without it
+    the planner picks the fastest exact plan.
     Under an outside ``torchrun`` the launcher's world is used and ``nproc``/``ranks_per_node`` are ignored.
     ``max_restarts``: how often the launcher restarts every rank after one fails; each restart resumes from the
     last checkpoint, so it needs ``train.save_every`` and ``train.resume = "auto"`` (under an outside
@@ -91,9 +93,12 @@ class ParallelConfig:
     ranks_per_node: int = 2
     backend: str = "auto"
     max_restarts: int = 0
+    allow_lossy: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("parallel.nproc", self.nproc)
+        if not isinstance(self.allow_lossy, bool):
+            raise ValueError(f"parallel.allow_lossy must be true or false, got {self.allow_lossy!r}")
         _positive_int("parallel.ranks_per_node", self.ranks_per_node)
         if self.nproc % self.ranks_per_node:
             raise ValueError(f"--nproc {self.nproc} is not divisible by --ranks-per-node {self.ranks_per_node}: "
