@@ -59,6 +59,23 @@ def test_comm_stats_bytes_per_step_equal_the_closed_form(smoke):
     assert all(abs(v - losses["fsdp2"]) < 0.05 for v in losses.values()), losses   # same model, batches, seed
 
 
+def test_memory_columns_are_the_measured_breakdown_and_equal_the_cost_model(smoke):
+    from tiershard.bench.report import memory_cells
+    from tiershard.runtime.api import BREAKDOWN
+
+    (run,) = smoke["runs"]
+    for row in run["rows"]:
+        cells = memory_cells(row)
+        if not row["plan"]:
+            assert set(cells.values()) == {None}, row["system"]     # the peers: peak RSS only
+            continue
+        measured, predicted = row["memory"], row["predicted_memory"]
+        keys = (*BREAKDOWN, "peak_gathered", "peak_gather_buffers")
+        assert {k: measured[k] for k in keys} == {k: predicted[k] for k in keys}, row["system"]
+        assert cells["states"] == row["predicted_states_bytes"] > 0      # gradients and optimizer states
+        assert cells["predicted"] == row["predicted_states_bytes"] + row["predicted_activation_bytes"]
+
+
 def test_report_has_every_system_and_the_outputs(smoke, tmp_path):
     text = render_markdown(smoke, "tiershard bench --local ...")
     for system in SMOKE.systems:
@@ -119,3 +136,66 @@ def test_emulated_cluster_nic_bytes_agree_with_comm_stats():
     for row in run["rows"]:
         assert row["comm_tiers_per_node"]["world"] * cfg.nodes == closed_form_world(cfg, row["plan"], 1)
     assert not [ns for ns in list_namespaces() if ns.startswith(f"ts-{name}-")]
+
+
+def test_three_tier_bench_checks_every_tier():
+    """2 nodes x 2 groups x 1 rank, links capped between groups (middle tier) and nodes: the NIC bytes of each tier
+    agree with comm_stats' bytes of that tier within 5 %, and comm_stats equal the closed form on three tiers."""
+    reason = _netns_reason()
+    if reason:
+        pytest.skip(reason)
+    from tiershard.cluster.emulated import list_namespaces
+
+    name = f"b3{os.getpid() % 100000}"
+    cfg = BenchConfig(size="tiny", model=dict(vocab_size=512, block_size=64, n_embd=128, n_head=4), nodes=2,
+                      ranks_per_node=2, tiers=(1, 2, 4), systems=("zero3", "IIG"), accums=(1,),
+                      rates=("none,4gbit,2gbit",), rounds=1, steps_per_round=2, intra_bw=1e9, cluster_name=name)
+    results = run_bench(cfg, log=lambda line: None)
+    checks = results["check"]
+    assert {(c["system"], c["tier"]) for c in checks} == {(s, t) for s in cfg.systems for t in ("node", "world")}
+    assert len(checks) == 2 * 2 * cfg.nodes and all(c["ok"] for c in checks), checks
+    (run,) = results["runs"]
+    assert run["rate"] == "none/4gbit/2gbit" and (run["node_bits"], run["rate_bits"]) == (4 * 10**9, 2 * 10**9)
+    for row in run["rows"]:
+        closed = closed_form_tiers(cfg, row["plan"], 1)
+        assert closed["node"] > 0 and closed["world"] > 0
+        for tier in ("node", "world"):
+            assert row["comm_tiers_per_node"][tier] * cfg.nodes == closed[tier], (row["system"], tier)
+    assert not [ns for ns in list_namespaces() if ns.startswith(f"ts-{name}-")]
+
+
+def closed_form_tiers(cfg: BenchConfig, plan: str, accum: int) -> dict[str, int]:
+    """Bytes per tier of one optimizer step over all ranks, from the plan and the model alone."""
+    import torch
+
+    from tiershard import Plan
+    from tiershard.train.models.gpt import GPT, Block
+
+    topo = topology(cfg)
+    pl = Plan.parse(plan).resolve(topo)
+    with torch.device("meta"):
+        model = GPT(model_config(cfg))
+    shapes = traffic.module_shapes(model, {Block}, topo.chunking(pl.os), topo.chunking(pl.p))
+    return traffic.total_traffic(traffic.step_collectives(pl, shapes, PARAM_BYTES, REDUCE_BYTES, accum), topo)
+
+
+def test_tier_settings_from_the_command_line(capsys):
+    from tiershard.bench.config import rate_settings
+    from tiershard.cli.bench import add_parser, config
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--tiers", "2,4,8", "--rates", "none,2gbit,250mbit;none,none,none"])
+    cfg = config(args)
+    assert (cfg.nodes, cfg.ranks_per_node, cfg.tiers) == (2, 4, (2, 4, 8))
+    assert rate_settings(cfg) == [("none/2gbit/250mbit", (None, 2 * 10**9, 250 * 10**6)),
+                                  ("none/none/none", (None, None, None))]
+    assert topology(cfg).names == ("pair", "node", "world")
+    assert main(["bench", "--tiers", "2,4,8", "--rates", "2gbit,2gbit,250mbit", "--systems", "IIG"]) == 2
+    assert "loopback" in capsys.readouterr().err
+    assert main(["bench", "--rates", "none,2gbit;none,none", "--systems", "IIG"]) == 2
+    assert "need --tiers" in capsys.readouterr().err
+    from tiershard.cli.bench import split_systems
+    assert split_systems("IIG,p=pair,g=node,os=world+hpz=pair, p=node, g=node, os=world,fsdp2") == (
+        "IIG", "p=pair,g=node,os=world+hpz=pair", "p=node, g=node, os=world", "fsdp2")

@@ -90,7 +90,9 @@ def train_sharded(rank, world, plan, topo, opt_name, param_dtype=None, measure=F
             # working weights: the padded level-p band (all parameters, exactly, when replicated); gradients:
             # the padded level-g band in fp32; masters and optimizer states: this rank's DTensor shards, sized
             # by torch's own sharding rule
-            formula["params"] += (g.S // pl.size(pl.p) if pl.p else sum(m.numel() for m in g.masters)) * esize
+            # (none at p = os: each gather casts the masters' band, as FSDP2 does)
+            formula["params"] += (0 if pl.p == pl.os > 0 else g.S // pl.size(pl.p) if pl.p else
+                                  sum(m.numel() for m in g.masters)) * esize
             formula["grads"] += g.S // pl.size(pl.g) * 4
             for m in g.masters:
                 local, _ = compute_local_shape_and_global_offset(m.shape, m.device_mesh, m.placements)

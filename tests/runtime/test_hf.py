@@ -211,7 +211,7 @@ def _lora(rank, world, topo, out, folder):
         mem = ts.memory_stats(model, opt)
         formula = _lora_formula(model, topo, plan)
         state = ts.full_state_dict(model, rank0_only=True)
-        result = {"only_adapters": only_adapters, "memory": (mem, formula)}
+        result = {"only_adapters": only_adapters, "memory": ({k: mem[k] for k in formula}, formula)}
         if rank == 0:
             ref_state = ref.state_dict()
             num = sum(((state[k] - ref_state[k]) ** 2).sum() for k in ref_state) ** 0.5

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+from ..cluster.emulated import read_node_uplink
 from .config import COMPUTE, PARAM_BYTES, REDUCE_BYTES, RESULT_PREFIX
 
 if TYPE_CHECKING:
@@ -116,6 +117,29 @@ def _warm_paths(runners: Sequence[str], ranks_per_node: int) -> None:
             del trainer
 
 
+def _watch_memory(trainer) -> dict:
+    """For one of our plans: ``ts.memory_stats`` just before every optimizer step (gradients present, the peaks of
+    gathered weights over that step) with the optimizer states just after it, and the cost model's exact
+    breakdown (``cost.memory.breakdown``) for the same moment; the returned dict fills as the warm-up steps run."""
+    import tiershard as ts
+
+    from ..cost.memory import breakdown, engine_layouts
+
+    model, optimizer = trainer.runner.model, trainer.runner.optimizer
+    engine = model._tiershard
+    args = (engine.placement, engine_layouts(engine), engine.topology.rank, PARAM_BYTES)
+    seen: dict = {"states": breakdown(*args, 2, engine.prefetch, trainer.setup.micro_steps)}
+
+    def before_step(opt, a, kw):
+        seen["measured"] = ts.memory_stats(model, optimizer, reset_peaks=True)
+        seen["predicted"] = breakdown(*args, 2 if optimizer.state else 0, engine.prefetch, trainer.setup.micro_steps)
+
+    def after_step(opt, a, kw):
+        seen["optimizer_after_step"] = ts.memory_stats(model, optimizer)["optimizer_states"]
+    seen["handles"] = [optimizer.register_step_pre_hook(before_step), optimizer.register_step_post_hook(after_step)]
+    return seen
+
+
 def rank_job(rank: int, world: int, spec: dict) -> dict:
     """Every rank: build the systems one by one (peak memory over build and warm-up), then alternate them round
     by round, reading NIC counters (one rank per node) and ``ts.comm_stats()`` around each system's steps.
@@ -135,9 +159,10 @@ def rank_job(rank: int, world: int, spec: dict) -> dict:
     torch.set_num_threads(1)
     model_cfg = GPTConfig(**spec["model"])
     rpn, accum, steps = spec["ranks_per_node"], spec["accum"], spec["steps_per_round"]
-    reads_nic = bool(spec["nic"]) and rank % rpn == 0
+    reads_nic = bool(spec["nic"]) and rank % spec.get("ranks_per_group", rpn) == 0     # one per namespace
+    reads_uplink = reads_nic and "ranks_per_group" in spec and rank % rpn == 0         # three tiers: one per node
     options = dict(micro_steps=accum, batch_per_rank=spec["batch_per_rank"], seq=spec["seq"], seed=spec["seed"],
-                   ranks_per_node=rpn, param_dtype=torch.bfloat16)
+                   ranks_per_node=rpn, param_dtype=torch.bfloat16, tiers=spec.get("tiers"))
     trainers: dict[str, object] = {}
     out: dict[str, dict] = {}
     _warm_paths([runner for _, runner in spec["systems"]], rpn)
@@ -147,26 +172,36 @@ def rank_job(rank: int, world: int, spec: dict) -> dict:
             trainer = ComputeOnly(model_cfg, accum, spec["batch_per_rank"], spec["seq"], spec["seed"], rank, world)
         else:
             trainer = make_trainer(runner, model_cfg, **options)
+        memory = _watch_memory(trainer) if runner.startswith("tiershard:") else None
         warm = trainer.train(spec["warmup"])
         peak = _status_bytes("VmHWM")
+        if memory is not None:
+            for handle in memory.pop("handles"):
+                handle.remove()
         trainers[label] = trainer
         out[label] = {"runner": runner, "losses": list(warm["losses"]), "step_times": [], "rounds": [],
                       "peak_bytes": None if base is None or peak is None else peak - base,
-                      "params": getattr(trainer, "num_params", None)}
+                      "params": getattr(trainer, "num_params", None), "memory": memory}
     labels = [label for label, _ in spec["systems"]]
     for r in range(spec["rounds"]):
         for label in labels[r % len(labels):] + labels[:r % len(labels)]:
             dist.barrier()
             before = _read_nic() if reads_nic else None
+            up_before = read_node_uplink() if reads_uplink else None
+            if spec["nic"] and "ranks_per_group" in spec:
+                dist.barrier()                  # reading the uplink takes a subprocess: nobody sends before it
             ts.reset_comm_stats()
             result = trainers[label].train(steps)
             stats = ts.comm_stats()
             dist.barrier()
             after = _read_nic() if reads_nic else None
+            up_after = read_node_uplink() if reads_uplink else None
             nic = None if before is None else {k: after[k] - before[k] for k in before}
+            uplink = None if up_before is None else {k: up_after[k] - up_before[k] for k in up_before}
             out[label]["step_times"] += result["step_times"]
             out[label]["losses"] += result["losses"]
-            out[label]["rounds"].append({"steps": steps, "tiers": stats["tiers"], "ops": stats["ops"], "nic": nic})
+            out[label]["rounds"].append({"steps": steps, "tiers": stats["tiers"], "ops": stats["ops"], "nic": nic,
+                                            "uplink": uplink})
     for label, runner in spec["systems"]:
         if runner.startswith("tiershard:"):
             engine = trainers[label].runner.model._tiershard

@@ -51,8 +51,8 @@ def run_summary(run: dict) -> list[str]:
 def render_table(run: dict) -> str:
     head = ("| system | plan / peer | step ms | tokens/s | NIC MB/step/node | comm_stats MB/step/node "
             "| predicted ms | vs fsdp2 | vs deepspeed-hpz | floor ms | vs floor | vs uncapped floor | peak MiB/rank "
-            "| final loss |")
-    lines = [head, "| --- | --- |" + " ---: |" * 12]
+            "| states MiB | gathered MiB | engine other MiB | predicted MiB | peak / predicted | final loss |")
+    lines = [head, "| --- | --- |" + " ---: |" * 17]
     for r in run["rows"]:
         what = r["plan"] if r["plan"] else r["peer"]
         if r["same_as"]:
@@ -64,8 +64,27 @@ def render_table(run: dict) -> str:
             f"| {_fmt(r.get('predicted_s'), '.0f', 1e3)} | {_fmt(r['vs_fsdp2'], '.2f')} "
             f"| {_fmt(r['vs_deepspeed-hpz'], '.2f')} | {_fmt(r['floor_s'], '.0f', 1e3)} | {_fmt(r['vs_floor'], '.2f')} "
             f"| {_fmt(r.get('vs_uncapped_floor'), '.2f')} | {_fmt(r['peak_bytes'], '.0f', 1 / 2**20)} "
-            f"| {_fmt(r['final_loss'], '.4f')} |")
+            f"| {_memory_cells(r)} | {_fmt(r['final_loss'], '.4f')} |")
     return "\n".join(lines)
+
+
+def memory_cells(row: dict) -> dict[str, float | None]:
+    """Our plans' memory columns (bytes; None for the peers): the measured model states, the peak of gathered
+    weights and matrices in flight, the engine's other buffers, the predicted model states + activations, and
+    the peak RSS over that prediction."""
+    mem = row.get("memory")
+    if not mem:
+        return dict.fromkeys(("states", "gathered", "engine_other", "predicted", "peak_vs_predicted"))
+    predicted = row["predicted_states_bytes"] + row["predicted_activation_bytes"]
+    return {"states": row["states_bytes"], "gathered": mem["peak_gathered"] + mem["peak_gather_buffers"],
+            "engine_other": mem["codec_scratch"] + mem["ef_residuals"] + mem["comm_buffers"],
+            "predicted": predicted, "peak_vs_predicted": row["peak_bytes"] / predicted if row["peak_bytes"] else None}
+
+
+def _memory_cells(row: dict) -> str:
+    cells = memory_cells(row)
+    mib = [_fmt(cells[k], ".1f", 1 / 2**20) for k in ("states", "gathered", "engine_other", "predicted")]
+    return " | ".join(mib + [_fmt(cells["peak_vs_predicted"], ".2f")])
 
 
 def render_check(results: dict) -> str:
@@ -75,7 +94,7 @@ def render_check(results: dict) -> str:
         return "bench check: not available (no NIC counters: --local, or none of our plans ran)"
     bad = [c for c in checks if not c["ok"]]
     devs = [c["deviation"] for c in checks]
-    lines = [f"bench check: NIC bytes sent vs comm_stats node-crossing bytes, per node and step, within "
+    lines = [f"bench check: NIC bytes sent vs comm_stats bytes, per capped tier, node and step, within "
              f"{CHECK_TOLERANCE:.0%}: {'PASS' if not bad else 'FAIL'} ({len(checks) - len(bad)}/{len(checks)} "
              f"node checks; deviation {min(devs) * 100:+.2f}% to {max(devs) * 100:+.2f}%)", ""]
     runs = list(dict.fromkeys((c["rate"], c["accum"]) for c in checks))
@@ -112,7 +131,9 @@ def render_markdown(results: dict, command: str | None = None) -> str:
         f"- GPT {results['params'] / 1e6:.2f}M parameters ({mc['n_layer']} blocks x {mc['n_embd']}, vocab "
         f"{mc['vocab_size']}), {cfg['batch_per_rank']} rows x {seq} tokens per rank and micro-step, seed "
         f"{cfg['seed']}, bf16 gathers, compute and reductions, fp32 masters, AdamW",
-        f"- {cfg['nodes']} nodes x {cfg['ranks_per_node']} ranks, {mode}",
+        f"- {cfg['nodes']} nodes x {cfg['ranks_per_node']} ranks"
+        + (f" (tiers {tuple(cfg['tiers'])}: pair, node, world)" if len(cfg.get("tiers") or ()) == 3 else "")
+        + f", {mode}",
         f"- {cfg['rounds']} interleaved rounds x {cfg['steps_per_round']} steps per system after {cfg['warmup']} "
         "warm-up step(s); step time = median over timed steps of the slowest rank",
         f"- the planner's cluster: node tier {links.get('intra_bw', 0) / 1e9:.3g} GB/s and "

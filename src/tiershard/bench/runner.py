@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from .config import (CHECK_TOLERANCE, COMPUTE, PARAM_BYTES, PEERS, REDUCE_BYTES, REFERENCES, RESULT_PREFIX,
-                     BenchConfig, BenchError, System, check_config, deepspeed_note, model_config, parse_systems)
+                     BenchConfig, BenchError, System, check_config, deepspeed_note, model_config, parse_systems,
+                     rate_settings, tier_sizes)
 from .rank import rank_job
 
 if TYPE_CHECKING:
@@ -56,6 +57,10 @@ def _spec(cfg: BenchConfig, systems: Sequence[tuple[str, str]], accum: int, nic:
     spec = dict(model=mc.to_dict(), systems=[list(s) for s in systems], accum=accum, rounds=cfg.rounds,
                 steps_per_round=cfg.steps_per_round, warmup=cfg.warmup, batch_per_rank=cfg.batch_per_rank,
                 seq=cfg.seq or mc.block_size, seed=cfg.seed, ranks_per_node=cfg.ranks_per_node, nic=nic)
+    if cfg.tiers:
+        spec["tiers"] = list(cfg.tiers)
+        if len(cfg.tiers) == 3:
+            spec["ranks_per_group"] = cfg.tiers[0]
     spec.update(over)
     return spec
 
@@ -74,14 +79,17 @@ def _launch(cfg: BenchConfig, cluster, spec: dict) -> list[dict]:
 
 
 def measure_links(cfg: BenchConfig, cluster, log: Callable[[str], None]) -> dict:
-    """Bandwidth and latency per rank of the node tier and of the uncapped inter-node tier.
+    """Bandwidth and latency per rank of the node tier and of the uncapped inter-node tier (three tiers: of the
+    innermost tier as ``intra``, and of the uncapped node tier as ``mid``).
 
     Measured by ``tiershard probe`` (inside the emulated nodes with the links uncapped, or on local ranks) unless
-    ``cfg.intra_bw`` is given; without a probe the uncapped inter-node tier is assumed as fast as the node tier.
+    ``cfg.intra_bw`` is given; without a probe the uncapped outer tiers are assumed as fast as the innermost.
     """
+    three = len(tier_sizes(cfg)) == 3
     if cfg.intra_bw is not None:
-        return {"source": "assumed (--intra-bw)", "intra_bw": cfg.intra_bw, "intra_latency": 5e-5,
-                "inter_bw": cfg.intra_bw, "inter_latency": 1e-4}
+        links = {"source": "assumed (--intra-bw)", "intra_bw": cfg.intra_bw, "intra_latency": 5e-5,
+                 "inter_bw": cfg.intra_bw, "inter_latency": 1e-4}
+        return {**links, "mid_bw": cfg.intra_bw, "mid_latency": 1e-4} if three else links
     import tomllib
 
     with tempfile.TemporaryDirectory(prefix="tiershard-probe-") as tmp:
@@ -90,23 +98,28 @@ def measure_links(cfg: BenchConfig, cluster, log: Callable[[str], None]) -> dict
         try:
             if cluster is None:
                 proc = subprocess.run([*probe, "--nproc", str(cfg.world), "--ranks-per-node",
-                                       str(cfg.ranks_per_node)], capture_output=True, text=True, timeout=900)
+                                       str(cfg.ranks_per_node), "--tiers", ",".join(map(str, tier_sizes(cfg)))],
+                                      capture_output=True, text=True, timeout=900)
                 if proc.returncode:
                     raise RuntimeError((proc.stderr or proc.stdout).strip().splitlines()[-1:])
             else:
-                cluster.set_bandwidth(None)
+                cluster.set_tier_rates((None,) * len(cluster.tiers))
                 cluster.launch(probe, timeout=900)
             table = tomllib.loads(out.read_text())["cluster"]
         except Exception as err:   # the bench still runs: the planner columns then rest on a stated assumption
             log(f"tiershard bench: probe failed ({type(err).__name__}: {err}); assuming 1 GB/s per rank inside a "
                 "node and uncapped between nodes")
-            return {"source": "assumed (probe failed)", "intra_bw": 1e9, "intra_latency": 5e-5,
-                    "inter_bw": 1e9, "inter_latency": 1e-4}
+            links = {"source": "assumed (probe failed)", "intra_bw": 1e9, "intra_latency": 5e-5,
+                     "inter_bw": 1e9, "inter_latency": 1e-4}
+            return {**links, "mid_bw": 1e9, "mid_latency": 1e-4} if three else links
     tiers = {t["name"]: t for t in table["tiers"]}
+    inner = "pair" if three else "node"
     links = {"source": "tiershard probe" + (" (inside the emulated nodes, links uncapped)" if cluster else
                                             " (local loopback ranks)"),
-             "intra_bw": float(tiers["node"]["bandwidth"]), "intra_latency": float(tiers["node"]["latency"]),
+             "intra_bw": float(tiers[inner]["bandwidth"]), "intra_latency": float(tiers[inner]["latency"]),
              "inter_bw": float(tiers["world"]["bandwidth"]), "inter_latency": float(tiers["world"]["latency"])}
+    if three:
+        links.update(mid_bw=float(tiers["node"]["bandwidth"]), mid_latency=float(tiers["node"]["latency"]))
     for key in ("overlap", "codec_rate"):
         if key in table:
             links[key] = float(table[key])
@@ -133,18 +146,28 @@ def cost_job(cfg: BenchConfig, accum: int) -> Job:
                param_bytes=PARAM_BYTES, reduce_bytes=REDUCE_BYTES, grad_bytes=4, recompute=False, efficiency=1.0)
 
 
-def cost_cluster(cfg: BenchConfig, links: dict, rate_bits: int | None, micro_seconds: float) -> Cluster:
+def cost_cluster(cfg: BenchConfig, links: dict, rate_bits: int | None, micro_seconds: float,
+                 node_bits: int | None = None) -> Cluster:
     """The emulated cluster as the cost model sees it: tiers (ranks_per_node, world), the inter-node tier at
-    the cap (a node's link shared by its ranks) or, uncapped, at the probe's rate; peak flops calibrated so
-    one micro-step's compute takes ``micro_seconds`` (the measured compute-only step); the probe's overlap and
-    codec rate when it measured them."""
+    the cap (a node's link shared by its ranks) or, uncapped, at the probe's rate; with three tiers (pair, node,
+    world) also the node tier at ``node_bits`` (a group's link shared by its ranks) or the probe's rate; peak
+    flops calibrated so one micro-step's compute takes ``micro_seconds`` (the measured compute-only step); the
+    probe's overlap and codec rate when it measured them."""
     import dataclasses
 
     from ..cost import Cluster, Tier, compute_seconds
 
     inter = rate_bits / 8 / cfg.ranks_per_node if rate_bits else links["inter_bw"]
-    tiers = (Tier(name="node", size=cfg.ranks_per_node, bandwidth=links["intra_bw"], latency=links["intra_latency"]),
-             Tier(name="world", size=cfg.world, bandwidth=inter, latency=links["inter_latency"]))
+    sizes = tier_sizes(cfg)
+    if len(sizes) == 3:
+        mid = node_bits / 8 / sizes[0] if node_bits else links["mid_bw"]
+        tiers = (Tier(name="pair", size=sizes[0], bandwidth=links["intra_bw"], latency=links["intra_latency"]),
+                 Tier(name="node", size=sizes[1], bandwidth=mid, latency=links["mid_latency"]),
+                 Tier(name="world", size=cfg.world, bandwidth=inter, latency=links["inter_latency"]))
+    else:
+        tiers = (Tier(name="node", size=cfg.ranks_per_node, bandwidth=links["intra_bw"],
+                      latency=links["intra_latency"]),
+                 Tier(name="world", size=cfg.world, bandwidth=inter, latency=links["inter_latency"]))
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / cfg.world
     extra = {k: links[k] for k in ("overlap", "codec_rate")
              if k in links and k in {f.name for f in dataclasses.fields(Cluster)}}
@@ -166,9 +189,33 @@ def _median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def _nic_tiers(ranks: list[dict], key: str, timed: int, three: bool) -> tuple[dict, list[dict]]:
+    """Per capped tier and node, NIC bytes sent and received per step (``{"world": {node: {"tx", "rx"}}}``, with
+    three tiers also ``"node"``: the node's group links minus its uplink), and the group links' own bytes."""
+    eth0: dict[str, dict[str, float]] = {}
+    uplink: dict[str, dict[str, float]] = {}
+    groups = []
+    for r in ranks:
+        rounds = r["systems"][key]["rounds"]
+        if not rounds or rounds[0]["nic"] is None:
+            continue
+        mine = {d: sum(x["nic"][d] for x in rounds) / timed for d in ("tx", "rx")}
+        groups.append(mine)
+        node = eth0.setdefault(str(r["node"]), {"tx": 0.0, "rx": 0.0})
+        for d in ("tx", "rx"):
+            node[d] += mine[d]
+        if rounds[0].get("uplink") is not None:
+            uplink[str(r["node"])] = {d: sum(x["uplink"][d] for x in rounds) / timed for d in ("tx", "rx")}
+    if not three:
+        return ({"world": eth0} if eth0 else {}), []
+    middle = {n: {d: eth0[n][d] - uplink.get(n, {}).get(d, 0.0) for d in ("tx", "rx")} for n in eth0}
+    return ({"node": middle, "world": uplink} if eth0 else {}), groups
+
+
 def summarize(cfg: BenchConfig, systems: list[System], ranks: list[dict], accum: int, rate: str,
-              rate_bits: int | None, links: dict, plans: dict[str, str]) -> dict:
-    """One (rate, accum) run: a row per system with times, bytes per step and per node, memory, prediction."""
+              rate_bits: int | None, links: dict, plans: dict[str, str], node_bits: int | None = None) -> dict:
+    """One (rate, accum) run: a row per system with times, bytes per step and per node and tier, memory,
+    prediction. ``rate_bits`` caps the node uplinks; with three tiers ``node_bits`` caps the group links."""
     from .. import cost
 
     nodes, rpn = cfg.nodes, cfg.ranks_per_node
@@ -178,8 +225,10 @@ def summarize(cfg: BenchConfig, systems: list[System], ranks: list[dict], accum:
     first = ranks[0]["systems"]
     compute = _median(first[COMPUTE]["step_times"])
     spec, job = model_spec(cfg), cost_job(cfg, accum)
-    ccluster = cost_cluster(cfg, links, rate_bits, compute / accum)
+    ccluster = cost_cluster(cfg, links, rate_bits, compute / accum, node_bits)
     link_rate = rate_bits / 8 if rate_bits else (links["inter_bw"] * rpn if not cfg.local else None)
+    names = tuple(t.name for t in ccluster.tiers)
+    three = len(names) == 3
     rows = []
     for s in systems:
         key = s.same_as or s.label
@@ -192,12 +241,10 @@ def summarize(cfg: BenchConfig, systems: list[System], ranks: list[dict], accum:
                "tokens_per_s": tokens / step, "final_loss": mine["losses"][-1] if mine["losses"] else None,
                "losses": mine["losses"], "timed_steps": timed,
                "peak_bytes": max((r["systems"][key]["peak_bytes"] or 0) for r in ranks) or None}
-        nic = {}
-        for r in ranks:
-            rounds = r["systems"][key]["rounds"]
-            if rounds and rounds[0]["nic"] is not None:
-                nic[str(r["node"])] = {d: sum(x["nic"][d] for x in rounds) / timed for d in ("tx", "rx")}
+        tier_nic, group_nic = _nic_tiers(ranks, key, timed, three)
+        nic = tier_nic.get("world", {})
         row["nic_per_node"] = nic or None
+        row["nic_tiers_per_node"] = tier_nic or None
         row["nic_tx_per_node"] = sum(v["tx"] for v in nic.values()) / len(nic) if nic else None
         crossing = max(max(v["tx"], v["rx"]) for v in nic.values()) if nic else None
         if s.ours:
@@ -209,16 +256,19 @@ def summarize(cfg: BenchConfig, systems: list[System], ranks: list[dict], accum:
                         tiers[tier] = tiers.get(tier, 0) + b / timed
             row["comm_per_node"] = comm_node
             row["comm_tiers_per_node"] = {t: sum(c.get(t, 0) for c in comm_node.values()) / nodes
-                                          for t in ("node", "world")}
+                                          for t in names}
             closed = first[key]["closed_form"]
-            row["closed_form_per_node"] = {t: closed.get(t, 0) / nodes for t in ("node", "world")}
+            row["closed_form_per_node"] = {t: closed.get(t, 0) / nodes for t in names}
             est = cost.evaluate(plans[s.label], spec, ccluster, job)
             row["predicted_s"] = est.step_time
+            row.update(_memory_columns([r["systems"][key].get("memory") for r in ranks], spec, job))
             row["predicted_tier_bytes_per_node"] = {t: b / nodes for t, b in est.tier_bytes.items()}
             if crossing is None:
                 crossing = row["comm_tiers_per_node"]["world"]
         row["crossing_bytes"] = crossing
         row["link_s"] = crossing / link_rate if crossing is not None and link_rate else 0.0
+        if node_bits and group_nic:             # three tiers: a group's link may be the slower one
+            row["link_s"] = max(row["link_s"], max(max(g["tx"], g["rx"]) for g in group_nic) / (node_bits / 8))
         row["floor_s"] = max(compute, row["link_s"])
         rows.append(row)
     by = {r["system"]: r for r in rows}
@@ -226,32 +276,57 @@ def summarize(cfg: BenchConfig, systems: list[System], ranks: list[dict], accum:
         for ref in REFERENCES:
             row[f"vs_{ref}"] = row["step_s"] / by[ref]["step_s"] if ref in by else None
         row["vs_floor"] = row["step_s"] / row["floor_s"] if row["floor_s"] else None
-    return {"rate": rate, "rate_bits": rate_bits, "accum": accum, "tokens_per_step": tokens, "compute_s": compute,
-            "link_rate_bytes": link_rate, "rows": rows, "plans": plans,
+    return {"rate": rate, "rate_bits": rate_bits, "node_bits": node_bits, "accum": accum, "tokens_per_step": tokens,
+            "compute_s": compute, "link_rate_bytes": link_rate, "rows": rows, "plans": plans,
             "cost_cluster": {"tiers": [asdict(t) for t in ccluster.tiers], "peak_flops": ccluster.peak_flops}}
 
 
+def _memory_columns(per_rank: list[dict | None], spec, job) -> dict:
+    """Our plans' memory beside the peak RSS, each the largest over ranks: the measured breakdown
+    (``ts.memory_stats`` before the last warm-up step's optimizer step), the model states of that step at its
+    fullest (with the optimizer states after it), and the predicted model states (the cost model's exact
+    ``breakdown``, optimizer states included) plus activations (``cost.memory.activations``)."""
+    from ..cost.memory import activations
+    from ..runtime.api import BREAKDOWN
+
+    seen = [m for m in per_rank if m and "measured" in m]
+    if not seen:
+        return {}
+    measured = {k: max(m["measured"][k] for m in seen) for k in seen[0]["measured"]}
+    predicted = {k: max(m["predicted"][k] for m in seen) for k in seen[0]["predicted"]}
+    # the step at its fullest: gradients (before the step) and optimizer states (after it) together
+    held = max(m["measured"]["model_states"] - m["measured"]["optimizer_states"] + m["optimizer_after_step"]
+               for m in seen)
+    states = max(sum(m["states"][k] for k in BREAKDOWN[:6]) for m in seen)
+    return {"memory": measured, "predicted_memory": predicted, "states_bytes": held,
+            "predicted_states_bytes": states, "predicted_activation_bytes": activations(spec, job)}
+
+
 def bench_check(results: dict) -> list[dict]:
-    """For every one of our plans at every (rate, accum): NIC bytes sent per node and step against the
-    ``comm_stats`` node-crossing ("world") bytes of that node's ranks; within 5 % passes."""
+    """For every one of our plans at every (rate, accum), every capped tier and every node: the NIC bytes sent on
+    that tier's links per step against the ``comm_stats`` bytes of that tier summed over the node's ranks (the
+    node-crossing "world" tier; with three tiers also the "node" tier, between the node's groups); within 5 %
+    passes. A tier without comm_stats bytes passes when its NIC sent under 64 KiB per step (barriers)."""
     checks = []
     for run in results["runs"]:
         for row in run["rows"]:
-            if not row["plan"] or row["same_as"] or not row["nic_per_node"]:
+            tiers = row.get("nic_tiers_per_node") or ({"world": row["nic_per_node"]} if row["nic_per_node"] else {})
+            if not row["plan"] or row["same_as"] or not tiers:
                 continue
-            for node, nic in sorted(row["nic_per_node"].items(), key=lambda kv: int(kv[0])):
-                comm = row["comm_per_node"].get(node, {}).get("world", 0)
-                dev = (nic["tx"] - comm) / comm if comm else float("inf")
-                checks.append({"rate": run["rate"], "accum": run["accum"], "system": row["system"],
-                               "plan": row["plan"], "node": int(node), "nic_tx": nic["tx"], "comm_world": comm,
-                               "deviation": dev, "ok": abs(dev) <= CHECK_TOLERANCE})
+            for tier, per_node in tiers.items():
+                for node, nic in sorted(per_node.items(), key=lambda kv: int(kv[0])):
+                    comm = row["comm_per_node"].get(node, {}).get(tier, 0)
+                    dev = (nic["tx"] - comm) / comm if comm else (0.0 if nic["tx"] < 64 * 1024 else float("inf"))
+                    checks.append({"rate": run["rate"], "accum": run["accum"], "system": row["system"],
+                                   "plan": row["plan"], "tier": tier, "node": int(node), "nic_tx": nic["tx"],
+                                   "comm": comm, "deviation": dev, "ok": abs(dev) <= CHECK_TOLERANCE})
     return checks
 
 
 def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
     """Run the whole bench (every rate and accumulation); returns the results :func:`render_markdown` shows."""
     from .. import cost
-    from ..cluster.emulated import ClusterError, EmulatedCluster, LaunchError, format_rate, parse_rate
+    from ..cluster.emulated import ClusterError, EmulatedCluster, LaunchError
 
     check_config(cfg)
     if not cfg.local and os.geteuid() != 0:
@@ -264,15 +339,16 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
     if not systems:
         raise BenchError("every system asked for was skipped: add systems that can run here")
     mc = model_config(cfg)
-    rates = ["local"] if cfg.local else [format_rate(parse_rate(r)) for r in cfg.rates]
+    settings = [("local", (None, None))] if cfg.local else rate_settings(cfg)
     results: dict = {"config": {**asdict(cfg), "model": mc.to_dict(), "systems": [s.label for s in systems]},
                      "notes": [note] if note else [], "runs": [], "loadavg": {"start": _loadavg()}}
     spec_model = model_spec(cfg)
     results["params"] = spec_model.params
     started = time.perf_counter()
     try:
-        context = nullcontext(None) if cfg.local else EmulatedCluster(cfg.nodes, cfg.ranks_per_node, None,
-                                                                      name=cfg.cluster_name)
+        sizes = tier_sizes(cfg)
+        context = nullcontext(None) if cfg.local else EmulatedCluster.from_tiers(sizes, (None,) * len(sizes),
+                                                                                 name=cfg.cluster_name)
         with context as cluster:
             links = measure_links(cfg, cluster, log)
             results["links"] = links
@@ -280,16 +356,16 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
                 f"{links['inter_bw'] / 1e9:.3g} GB/s ({links['source']})")
             calibration = calibrate(cfg, cluster, log) if any(s.plan == "auto" for s in systems) else None
             results["calibration_micro_s"] = calibration
-            for rate in rates:
-                bits = None if cfg.local else parse_rate(rate)
+            for rate, per_tier in settings:
+                bits, node_bits = per_tier[-1], (per_tier[1] if len(per_tier) == 3 else None)
                 if cluster is not None:
-                    cluster.set_bandwidth(bits)
+                    cluster.set_tier_rates(per_tier)
                 for accum in cfg.accums:
                     plans = {s.label: s.plan for s in systems if s.ours and s.plan != "auto"}
                     run_systems = []
                     for s in systems:
                         if s.plan == "auto":
-                            pick = cost.auto_plan(spec_model, cost_cluster(cfg, links, bits, calibration),
+                            pick = cost.auto_plan(spec_model, cost_cluster(cfg, links, bits, calibration, node_bits),
                                                   cost_job(cfg, accum))
                             plans[s.label] = str(pick)
                             twin = next((o.label for o in systems if o.ours and o.plan == str(pick)), None)
@@ -298,16 +374,18 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
                     launched = [(s.label, s.runner) for s in run_systems if not s.same_as]
                     load = _loadavg()
                     t0 = time.perf_counter()
-                    before = cluster.nic_bytes() if cluster is not None else None
+                    before = cluster.tier_nic_bytes() if cluster is not None else None
                     ranks = _launch(cfg, cluster, _spec(cfg, [(COMPUTE, COMPUTE), *launched], accum,
                                                         cluster is not None))
-                    after = cluster.nic_bytes() if cluster is not None else None
-                    run = summarize(cfg, run_systems, ranks, accum, rate, bits, links, plans)
+                    after = cluster.tier_nic_bytes() if cluster is not None else None
+                    run = summarize(cfg, run_systems, ranks, accum, rate, bits, links, plans, node_bits)
                     run["seconds"] = time.perf_counter() - t0
                     run["loadavg"] = {"before": load, "after": _loadavg()}
                     if before is not None:
-                        run["nic_launch_total"] = {n: {d: after[n][d] - before[n][d] for d in ("tx", "rx")}
-                                                   for n in before}
+                        run["nic_launch_total"] = {n: {d: after["world"][n][d] - before["world"][n][d]
+                                                       for d in ("tx", "rx")} for n in before["world"]}
+                        run["nic_launch_tiers"] = {t: {n: {d: after[t][n][d] - before[t][n][d] for d in ("tx", "rx")}
+                                                       for n in before[t]} for t in before}
                     results["runs"].append(run)
                     auto = next((r for r in run["rows"] if r["system"] == "auto"), None)
                     log(f"tiershard bench: rate {rate}, accum {accum}: {len(launched)} systems in "
@@ -327,9 +405,10 @@ def add_uncapped_floor(results: dict) -> None:
     uncapped step is what the system costs without waiting for the link; a step near this floor hides the link
     behind that work. Rows without an uncapped twin (or uncapped themselves) get None."""
     uncapped = {run["accum"]: {r["plan"] or r["system"]: r["step_s"] for r in run["rows"]}
-                for run in results["runs"] if run["rate_bits"] is None and run["rate"] != "local"}
+                for run in results["runs"]
+                if run["rate_bits"] is None and not run.get("node_bits") and run["rate"] != "local"}
     for run in results["runs"]:
-        twins = uncapped.get(run["accum"], {}) if run["rate_bits"] else {}
+        twins = uncapped.get(run["accum"], {}) if run["rate_bits"] or run.get("node_bits") else {}
         for row in run["rows"]:
             own = twins.get(row["plan"] or row["system"])
             row["uncapped_floor_s"] = None if own is None else max(own, row["link_s"])

@@ -7,7 +7,8 @@ only that key), so the whole model is never in memory at once on the safetensors
 [Note: streaming safetensors] A safetensors file is an 8-byte header length, a JSON header giving every
 tensor's dtype, shape and byte range, then the raw little-endian bytes. Every shape and dtype is in the DCP
 metadata, so each shard's header is written first and its tensors are then read, cast and written one after
-another: peak memory is the largest tensor (twice when ``dtype`` casts it), whatever the shard size.
+another into one reused buffer: peak memory is the largest tensor (twice when ``dtype`` casts it) plus DCP's
+read of one saved chunk, whatever the shard size.
 Shards follow transformers' convention: ``model.safetensors`` when there is one, else
 ``model-0000i-of-0000N.safetensors`` and ``model.safetensors.index.json`` mapping each name to its file.
 
@@ -129,12 +130,17 @@ class _Reader:
             raise ConvertError(f"{self.path} holds no model tensors (no 'model' entries): it was not written by "
                                "ts.save")
 
-    def read(self, entry: Entry) -> torch.Tensor:
+    def read(self, entry: Entry, scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """The full tensor of ``entry``; read into the front of ``scratch`` (bytes) when given, so a stream of
+        tensors reuses one buffer instead of allocating and freeing one per tensor."""
         import torch.distributed.checkpoint as dcp
 
         from .sharded import SafePlanner
 
-        tensor = torch.empty(entry.shape, dtype=entry.dtype)
+        if scratch is None:
+            tensor = torch.empty(entry.shape, dtype=entry.dtype)
+        else:
+            tensor = scratch[:entry.nbytes()].view(entry.dtype).view(entry.shape)
         box = {entry.key: tensor}
         with warnings.catch_warnings():   # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -197,11 +203,18 @@ def _write_safetensors(path: Path, reader: _Reader, entries: list[Entry], dtype:
         offset += n
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)                   # the data starts 8-byte aligned, as safetensors writes it
+    # one buffer for the tensors as saved and one for their casts, each of the largest: peak memory stays put
+    scratch = torch.empty(max(entry.nbytes() for entry in entries), dtype=torch.uint8)
+    cast = torch.empty(max((entry.nbytes(_out_dtype(entry, dtype)) for entry in entries
+                            if _out_dtype(entry, dtype) != entry.dtype), default=0), dtype=torch.uint8)
     with open(path, "wb") as f:
         f.write(len(text).to_bytes(8, "little"))
         f.write(text)
         for entry in entries:
-            tensor = _cast(reader.read(entry), dtype).contiguous()
+            tensor = reader.read(entry, scratch)
+            out = _out_dtype(entry, dtype)
+            if out != entry.dtype:
+                tensor = cast[:entry.nbytes(out)].view(out).view(entry.shape).copy_(tensor)
             if tensor.numel():
                 f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
             del tensor

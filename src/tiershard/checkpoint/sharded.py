@@ -40,8 +40,11 @@ import pickle
 import re
 import secrets
 import shutil
+import threading
 import time
 import zlib
+from concurrent.futures import Future
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +61,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from ..comm.failure import guard
 
-__all__ = ["CheckpointError", "save", "load", "latest", "resolve", "verify"]
+__all__ = ["CheckpointError", "SaveFuture", "save", "load", "latest", "resolve", "verify"]
 
 MANIFEST = "tiershard.json"
 LATEST = "latest"
@@ -293,18 +296,24 @@ class SafePlanner(DefaultLoadPlanner):
 
 @_bounded("save")
 def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-         extra: Any = None) -> Path:
+         extra: Any = None, *, async_save: bool = False) -> Path | SaveFuture:
     """Save ``model`` (and ``optimizer``) to the folder ``path`` on every rank, atomically ([Note: atomic save]).
 
     ``extra`` (plain data: tensors, NumPy arrays, numbers, strings, None, and lists, tuples and dicts of them; may
     differ per rank) is kept per rank and returned by ``load``; anything else raises ``CheckpointError`` on every
     rank and nothing is renamed into place. The parent folder's ``latest`` then names this checkpoint. Returns the
     checkpoint folder.
+
+    ``async_save=True`` returns once this rank's state is copied aside ([Note: asynchronous save]): a
+    ``SaveFuture`` whose ``result()`` waits until the checkpoint is in place and ``latest`` names it, and returns
+    its folder (or raises ``CheckpointError``; the previous checkpoint and ``latest`` are then unchanged). A
+    later ``save`` or ``load`` of the model waits for it first.
     """
     engine = _engine(model)
     from ..runtime.api import _check_loaded
 
     _check_loaded(model, "ts.save")               # a meta-built model still waiting for its weights has none to save
+    _wait_for_save(engine, "ts.save")             # one save at a time: the earlier one completes first
     group = engine.topology.control_group.pg      # bounded by the topology's timeout, not the default group's
     rank, world = _rank_world()
     path = Path(path).absolute()
@@ -319,15 +328,32 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     if dist.is_initialized():
         dist.barrier(group=group)
     state = _state(model, optimizer)
+    _write_reducers(engine, tmp, rank)
+    if async_save:                                # the extra as it is now, before training goes on
+        _save_extra(extra, tmp, rank, group)
+        return _save_async(state, tmp, path, token, engine)
     dcp.save(state, checkpoint_id=str(tmp), process_group=group)
+    _save_extra(extra, tmp, rank, group)
+    return _commit(tmp, path, token, engine, group)
+
+
+def _save_extra(extra: Any, tmp: Path, rank: int, group) -> None:
+    """Write this rank's extra into ``tmp``; one that ``load`` could not read is refused on every rank and the
+    save ends there, nothing renamed."""
     (tmp / "extra").mkdir(exist_ok=True)
-    error = _write_extra(extra, tmp / "extra" / f"rank{rank}.pt", rank)   # refused on every rank, nothing renamed
+    error = _write_extra(extra, tmp / "extra" / f"rank{rank}.pt", rank)
     try:
         _agree(error, group)
     except CheckpointError:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _commit(tmp: Path, path: Path, token: str, engine, group) -> Path:
+    """Every rank's shards are in ``tmp``: checksum them, write the manifest, rename ``tmp`` to ``path`` and point
+    ``latest`` at it ([Note: atomic save]); collectives on ``group``."""
+    rank, world = _rank_world()
     if dist.is_initialized():
         dist.barrier(group=group)
     files = _files(tmp)
@@ -361,6 +387,88 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     if dist.is_initialized():
         dist.barrier(group=group)
     return path
+
+
+class SaveFuture(Future):
+    """What ``ts.save(..., async_save=True)`` returns: ``result(timeout=None)`` waits until the checkpoint is in
+    place and ``latest`` names it and returns its folder, or raises ``CheckpointError``; ``done()`` asks."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+        self.observed = False           # result() or exception() was asked: its failure has been seen
+
+    def result(self, timeout: float | None = None) -> Path:
+        self.observed = True
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self.observed = True
+        return super().exception(timeout)
+
+
+def _wait_for_save(engine, what: str) -> None:
+    """Wait for the model's asynchronous save in flight, if any; a failure nobody has looked at is raised here,
+    before anything of ``what`` happens."""
+    pending: SaveFuture | None = getattr(engine, "_tiershard_saving", None)
+    if pending is None:
+        return
+    engine._tiershard_saving = None
+    seen = pending.observed
+    error = pending.exception()
+    if error is not None and not seen:
+        raise CheckpointError(f"{what}: the asynchronous save before it failed and nothing waited for its "
+                              f"handle: {error} Nothing of this {what} was done; wait on the handle (its "
+                              "result()) to see such a failure where it happens") from None
+
+
+def _async_group(topology):
+    """A gloo group of every rank for the background saves (DCP's async save needs a CPU backend; the main
+    thread's collectives stay on ``control_group``), made once per topology by the first asynchronous save."""
+    group = getattr(topology, "_tiershard_async_save_group", None)
+    if group is None:
+        world = dist.get_world_size()
+        group = dist.new_group(list(range(world)), timeout=timedelta(seconds=topology.timeout), backend="gloo")
+        topology._tiershard_async_save_group = group
+    return group
+
+
+def _save_async(state: dict, tmp: Path, path: Path, token: str, engine) -> SaveFuture:
+    """[Note: asynchronous save] DCP's ``async_save`` copies this rank's state aside (a CPU copy; on a GPU into
+    pinned memory) before it returns, so training may change the model at once. The copy's buffers are made by the
+    first asynchronous save and kept with the model for the next ones (a second save waits for the first, so
+    one copy is enough: memory of this rank's shards, held from then on). A background thread writes
+    the copy, then commits as ``save`` does ([Note: atomic save]) on a gloo group of its own: ``latest`` moves
+    only after every rank's files are written and checksummed. A failed or killed write leaves the hidden
+    folder, which the next save removes, and nothing else."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    rank, _ = _rank_world()
+    group = _async_group(engine.topology)
+    stager = getattr(engine, "_tiershard_stager", None)
+    if stager is None:      # kept with the model: its buffers (pinned ones are slow to make) serve every later save
+        stager = DefaultStager(StagingOptions(use_pinned_memory=engine.device.type == "cuda",
+                                              use_shared_memory=False, use_async_staging=False,
+                                              use_non_blocking_copy=False))
+        engine._tiershard_stager = stager
+    upload = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group, async_stager=stager)
+    handle = SaveFuture(path)
+    handle.set_running_or_notify_cancel()
+
+    def finish() -> None:
+        try:
+            upload.result()
+            handle.set_result(_commit(tmp, path, token, engine, group))
+        except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the handle
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            handle.set_exception(CheckpointError(
+                f"ts.save to {path} failed while writing ({_first_failure(err)}): nothing was renamed into place, "
+                f"the previous checkpoint and {LATEST} are unchanged"))
+
+    engine._tiershard_saving = handle
+    threading.Thread(target=finish, name=f"tiershard-save-{path.name}").start()
+    return handle
 
 
 def latest(root: str | os.PathLike) -> Path | None:
@@ -399,6 +507,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     and keeps the others as they are.
     """
     engine = _engine(model)
+    _wait_for_save(engine, "ts.load")             # an asynchronous save in flight completes first
     group = engine.topology.control_group.pg      # bounded by the topology's timeout, not the default group's
     rank, world = _rank_world()
     error = reader = extra = None
@@ -408,6 +517,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         reader = SafeReader(path)
         reader.read_metadata()
         extra = _read_extra(path, rank, world, manifest)
+        reducers = _read_reducers(path, rank, world, manifest, engine)
     except CheckpointError as err:
         error = str(err)
     state = _state(model, optimizer)
@@ -432,9 +542,42 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     else:
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=state["optim"],
                        options=options)
+    for group, reducer in zip(engine.groups(), reducers):
+        if group.qgz is not None:
+            group.qgz.load_state_dict(reducer)
     for group in engine.groups():
         group.sync_params()
     return extra
+
+
+# [Note: qgz state in checkpoints] qgz's reducers hold per-rank state that shapes the next reductions: the
+# error-feedback residuals and the call counters that key stochastic rounding. ``ts.save`` writes them per rank
+# (qgz/rank<R>.pt, one entry per flat group) and ``ts.load`` restores them when the same world, topology and plan
+# wrote the checkpoint, so a resumed run continues bitwise as an uninterrupted one. Elsewhere they have no meaning
+# (they follow this rank's layout) and the reducers start afresh, as at ts.shard.
+def _write_reducers(engine, folder: Path, rank: int) -> None:
+    states = [g.qgz.state_dict() if g.qgz is not None else None for g in engine.groups()]
+    if any(state is not None for state in states):
+        (folder / "qgz").mkdir(exist_ok=True)
+        torch.save(states, folder / "qgz" / f"rank{rank}.pt")
+
+
+def _read_reducers(path: Path, rank: int, world: int, manifest: dict, engine) -> list[dict]:
+    """Each flat group's reducer state to load ([Note: qgz state in checkpoints]); fresh state where none fits."""
+    groups, file = list(engine.groups()), path / "qgz" / f"rank{rank}.pt"
+    fresh = [{"counters": {}, "residuals": {}}] * len(groups)
+    if (manifest.get("world_size"), manifest.get("topology"), manifest.get("plan")) != \
+            (world, list(engine.topology.sizes), str(engine.placement.plan)) or not file.is_file():
+        return fresh
+    try:
+        states = _plain(file)
+    except Exception as err:  # noqa: BLE001 - not plain data, or not a torch file at all
+        raise CheckpointError(f"checkpoint {path} is corrupt: {file} cannot be read as plain data ({err})") from None
+    if not isinstance(states, list) or len(states) != len(groups):
+        return fresh
+    return [fresh[0] if s is None else {"counters": s["counters"],
+                                        "residuals": {k: v.to(g.device) for k, v in s["residuals"].items()}}
+            for g, s in zip(groups, states)]
 
 
 def _mismatch(path: Path, metadata: Metadata, state: dict) -> str | None:
@@ -482,8 +625,46 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> d
     """What DCP saves and loads: torch's own state dicts, keyed by the module's parameter names."""
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
+    _init_optimizer_state(optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"model": model_sd, "optim": optim_sd}
+
+
+@torch.no_grad()
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create a fresh optimizer's states (what a load fills) one parameter at a time: torch's state-dict helpers
+    take one step at learning rate zero with every gradient set to zeros at once, a temporary the size of all
+    the masters; here each parameter in turn gets a zero gradient (a view of one zero buffer of the largest
+    shard, so no freed gradient leaves a hole between the states), its step, and loses the gradient."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if optimizer.state or any(p.grad is not None for p in params):
+        return                                     # as torch: states exist, or a step is under way
+    trained = [p for p in params if p.requires_grad]
+    if not trained:
+        return
+    local = [p._local_tensor if isinstance(p, DTensor) else p for p in trained]
+    largest: dict[tuple, int] = {}
+    for t in local:
+        largest[(t.dtype, t.device)] = max(largest.get((t.dtype, t.device), 0), t.numel())
+    zeros = {kind: torch.zeros(n, dtype=kind[0], device=kind[1]) for kind, n in largest.items()}
+    rates = [group.get("lr") for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        if "lr" in group:
+            group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+    try:
+        for param, mine in zip(trained, local):
+            grad = zeros[(mine.dtype, mine.device)][:mine.numel()].view(mine.shape)
+            if isinstance(param, DTensor):
+                grad = DTensor(grad, param._spec, requires_grad=False)
+            param.grad = grad
+            optimizer.step()
+            param.grad = None
+    finally:
+        for group, rate in zip(optimizer.param_groups, rates):
+            if rate is not None:
+                group["lr"] = rate
 
 
 def verify(path: Path, rank: int = 0, world: int = 1) -> dict:

@@ -103,10 +103,10 @@ def gather_to_first(out: torch.Tensor, shard: torch.Tensor, group: "TierGroup", 
         return
     first = group.ranks[0]
     if topology.rank == first:
-        by_rank = list(torch.empty(out.numel(), dtype=out.dtype, device=out.device).chunk(group.size))
+        rows = out.view(group.size, -1)         # each member's shard lands in its slot's row: no copy of the whole
+        by_rank = [rows[slot] for slot in group.slots]
         with guard(op, group, topology):
             dist.gather(shard.contiguous(), by_rank, dst=first, group=group.pg)
-        out.view(group.size, -1).index_copy_(0, _slot_index(group, out.device), torch.stack(by_rank))
     else:
         with guard(op, group, topology):
             dist.gather(shard.contiguous(), None, dst=first, group=group.pg)

@@ -82,6 +82,13 @@ class _Job(Future):
             torch.cuda.current_stream().wait_event(self.done_event)
         return value
 
+    def take(self) -> Any:
+        """``result()``, after which the job no longer holds the value: a buffer it returned is freed as soon as
+        the taker drops it, not when the stream next forgets finished jobs."""
+        value = self.result()
+        self._result = None
+        return value
+
 
 class CommStream:
     """A FIFO of collectives for one topology (see [Note: one ordered stream])."""
@@ -146,6 +153,10 @@ class CommStream:
         if self._consumer is not None and tensor.is_cuda:
             tensor.record_stream(self._consumer)
         return tensor
+
+    def held_results(self) -> list[Any]:
+        """The results its unfinished or not yet forgotten jobs still hold (what a memory breakdown counts)."""
+        return [job._result for job in self._pending if job.done() and job._result is not None]
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in stream order, waited for."""

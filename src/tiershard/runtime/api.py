@@ -397,9 +397,13 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False, cpu_offload: boo
     _check_loaded(model, "ts.full_state_dict")
     out: dict[str, torch.Tensor] = {}
     keep = not rank0_only or dist.get_rank() == 0
-    for group in engine.groups():
+    groups = list(engine.groups())
+    # one buffer for every group's band and gathered values, made once: a unit-sized buffer allocated and freed
+    # per group would leave freed holes resident between the kept tensors
+    scratch = torch.empty(max((g.scratch_size(rank0_only) for g in groups), default=0), device=engine.device)
+    for group in groups:
         with unit_scope(group.unit):           # named if a rank does not take part ([Note: bounded collectives])
-            values = group.full_values(rank0_only)
+            values = group.full_values(rank0_only, scratch)
         for layout, tensor in zip(group.layouts, values):
             if cpu_offload:
                 tensor = tensor.cpu()
@@ -412,17 +416,75 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False, cpu_offload: boo
 
 
 @torch.no_grad()
-def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-    """Load full tensors (as ``full_state_dict`` gives them) on every rank; shards are cut locally."""
+def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True,
+                         broadcast_from_rank0: bool = False) -> None:
+    """Load full tensors (as ``full_state_dict`` gives them) on every rank; shards are cut locally.
+
+    ``broadcast_from_rank0=True`` (torch's ``StateDictOptions`` name): only rank 0 reads ``state`` (the other
+    ranks pass ``{}`` and never hold the model); rank 0 checks it, then sends one tensor at a time and each rank
+    keeps its shard of it, so a rank holds at most one full tensor beyond its shards. Without it every rank
+    passes the whole state dict (every rank holds the model)."""
     engine = _engine(model)
     layouts = list(_units_layouts(engine))
+    problem = None
+    if not broadcast_from_rank0 or dist.get_rank() == 0:
+        problem = _full_state_problem(model, layouts, state, strict)
+    if broadcast_from_rank0:
+        box = [problem]
+        dist.broadcast_object_list(box, src=0, group=engine.topology.control_group.pg)
+        problem = box[0]
+    if problem is not None:                      # checked everything before writing anything
+        kind, message = problem
+        raise (KeyError if kind == "keys" else ValueError)(message)
+    if broadcast_from_rank0:
+        _broadcast_full(model, engine, layouts, state)
+    else:
+        _write_full(model, engine, layouts, state)
+
+
+def _full_state_problem(model: nn.Module, layouts: list, state: Mapping[str, torch.Tensor],
+                        strict: bool) -> tuple[str, str] | None:
+    """("keys" or "shape", message) for a full state dict that does not fit the model, or None."""
     missing, unexpected = _key_mismatch(model, layouts, state)
     if strict and (missing or unexpected):
-        raise KeyError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-                       f"{' ...' if len(missing) > 5 or len(unexpected) > 5 else ''}")
-    for name, theirs, ours in _shape_mismatch(model, layouts, state):    # check everything before writing anything
-        raise ValueError(f"{name}: shape {theirs} in the state dict, {ours} in the model; nothing was loaded")
-    _write_full(model, engine, layouts, state)
+        return "keys", (f"state dict does not match the model: missing {missing[:5]}, unexpected "
+                        f"{unexpected[:5]}{' ...' if len(missing) > 5 or len(unexpected) > 5 else ''}")
+    for name, theirs, ours in _shape_mismatch(model, layouts, state):
+        return "shape", f"{name}: shape {theirs} in the state dict, {ours} in the model; nothing was loaded"
+    return None
+
+
+@torch.no_grad()
+def _broadcast_full(model: nn.Module, engine: Engine, layouts: list, state: Mapping[str, torch.Tensor]) -> None:
+    """``_write_full`` from rank 0's ``state``: one broadcast per tensor on the control group, each rank cutting
+    its shard before the next arrives."""
+    from ..comm import collectives as C
+
+    topology, rank0 = engine.topology, dist.get_rank() == 0
+    control = topology.control_group
+    box = [sorted(state.keys()) if rank0 else None]     # which names rank 0 has (all of them when strict)
+    dist.broadcast_object_list(box, src=0, group=control.pg)
+    present = set(box[0])
+    touched: list[FlatGroup] = []
+    for group, index, layout in layouts:
+        name = next((n for n in layout.names if n in present), None)
+        if name is None:
+            continue
+        full = state[name].to(device=engine.device, dtype=torch.float32) if rank0 else \
+            torch.empty(layout.shape, dtype=torch.float32, device=engine.device)
+        C.broadcast(full, 0, control, topology, "state_dict")
+        group.load_full(index, full)
+        del full
+        _loaded(model, group=group, index=index)
+        if group not in touched:
+            touched.append(group)
+    for group in touched:
+        group.sync_params()
+    for name, buf in _persistent_buffers(model):
+        if name in present:
+            value = state[name].to(device=buf.device, dtype=buf.dtype) if rank0 else torch.empty_like(buf)
+            C.broadcast(value, 0, control, topology, "state_dict")
+            buf.copy_(value)
 
 
 def _key_mismatch(model: nn.Module, layouts: list, state: Mapping[str, torch.Tensor]) -> tuple[list, list]:
@@ -480,8 +542,24 @@ def _persistent_buffers(model: nn.Module):
                 yield (f"{mpath}.{name}" if mpath else name), buf
 
 
-def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Bytes of model state this rank holds: params, grads, masters, optimizer states (and hpz caches)."""
+BREAKDOWN = ("master_weights", "optimizer_states", "gradients", "frozen_weights", "working_weights", "hpz_bands",
+             "gathered", "comm_buffers", "codec_scratch", "ef_residuals")
+
+
+def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 reset_peaks: bool = False) -> dict[str, int]:
+    """Bytes this rank holds for the sharded model ([Note: memory breakdown], runtime/engine.py).
+
+    Model-state formula (as before): ``params``, ``grads``, ``masters``, ``optimizer``, ``hpz``. Measured from
+    the live tensors, each storage counted once: ``master_weights`` (fp32), ``optimizer_states``, ``gradients``
+    (the masters' ``.grad``, the level-g accumulator, working gradients in backward), ``frozen_weights``,
+    ``working_weights`` (the level-p copy: a band when p is finer than os, the whole weights when p = N),
+    ``hpz_bands``, ``gathered`` (working tensors with storage now), ``comm_buffers`` (results the stream's jobs
+    hold), ``codec_scratch`` (the qwz encoding of the level-p band), ``ef_residuals`` (qgz error feedback), their
+    sum ``engine_total`` and ``model_states`` (the first six); the high-water marks ``peak_gathered`` and
+    ``peak_gather_buffers`` since ``ts.shard`` or the last ``reset_peaks=True`` (which restarts them after
+    reading); on Linux ``resident`` (the process's RSS) and ``other`` = resident - engine_total (activations,
+    the allocator's free memory, everything else in the process)."""
     engine = _engine(model)
     total = {"params": 0, "grads": 0, "masters": 0, "optimizer": 0, "hpz": 0}
     masters = set()
@@ -489,6 +567,7 @@ def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
         masters.update(id(m) for m in group.masters)
         for key, value in group.state_bytes().items():
             total[key] += value
+    held = engine.held()
     if optimizer is not None:
         for param, state in optimizer.state.items():
             if id(param) in masters:
@@ -497,4 +576,32 @@ def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
                         t = t._local_tensor
                     if isinstance(t, torch.Tensor) and t.dim() > 0:
                         total["optimizer"] += t.numel() * t.element_size()
+                        held.append(("optimizer_states", t))
+    breakdown = dict.fromkeys(BREAKDOWN, 0)
+    seen: set[int] = set()
+    for what, tensor in held:
+        storage = tensor.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            breakdown[what] += storage.nbytes()
+    total.update(breakdown)
+    total["model_states"] = sum(breakdown[k] for k in BREAKDOWN[:6])
+    total["engine_total"] = sum(breakdown.values())
+    total["peak_gathered"], total["peak_gather_buffers"] = engine.gauge.peak_gathered, engine.gauge.peak_buffers
+    if reset_peaks:
+        engine.gauge.reset()
+    resident = _resident_bytes()
+    if resident is not None:
+        total["resident"], total["other"] = resident, resident - total["engine_total"]
     return total
+
+
+def _resident_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

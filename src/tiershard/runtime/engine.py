@@ -35,6 +35,19 @@ visit other units in another order. So:
 A rank-local forward therefore issues no collective, or (right after a step) the same rebuilds in the same order
 as the next forward of every other rank; in both cases the others' collectives pair with the right ones.
 
+[Note: memory breakdown] ``ts.memory_stats`` walks what the engine really holds (``Engine.held``: each group's
+masters, gradients, level-p copy, working tensors, hpz bands, qwz encoding, qgz residuals, and the results the
+stream's jobs still hold) and counts every storage once, under the first thing that holds it. Transient weights
+are seen through ``MemoryGauge`` (flat.py): the high-water marks of gathered working tensors (a unit from its
+gather to its release; the root stays gathered through forward and backward, as FSDP2 keeps it) and of whole
+gathered matrices in flight (issued, not yet copied out: up to ``prefetch`` units ahead). The cost model
+(``cost.memory.breakdown``) predicts the same numbers from the layout alone; a unit's weights are released before
+the next unit's are copied out, so the gathered peak is the root plus the largest other unit, whatever the
+prefetch depth. What FSDP2 does not keep, the engine does not keep either: at ``p = os`` there is no separate
+level-p copy (each gather casts the masters' band), and a gathered matrix is freed right after its copy-out (the
+stream's finished job does not hold it); it is allocated by the thread that frees it, since on CPUs memory the
+communication thread allocates comes from, and stays in, that thread's own malloc arena.
+
 [Note: what the module shows] Between forward/backward the module's parameters are the masters (DTensors);
 inside a unit's forward and backward they are its working tensors (plain tensors of the original shapes).
 """
@@ -50,7 +63,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..comm.stream import stream_for
-from .flat import FlatGroup
+from .flat import FlatGroup, MemoryGauge
 
 if TYPE_CHECKING:
     from ..plan import Placement
@@ -104,6 +117,8 @@ class Unit:
         self.fired = [0] * len(groups)
         self.reduced = [False] * len(groups)
         self.awaits_post_backward = False     # its inputs carry _PostBackward: that releases it
+        for group in groups:
+            group.gauge = engine.gauge
         self.handles = [module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
                         module.register_forward_hook(self._post_forward)]
         for index, group in enumerate(groups):
@@ -236,6 +251,7 @@ class Engine:
         self.stream = stream_for(placement.topology)
         self.sync_grads = True
         self._backward_queued = False
+        self.gauge = MemoryGauge()          # high-water marks of gathered weights ([Note: memory breakdown])
         _ENGINES.append(weakref.ref(self))
         _install_step_hook()
 
@@ -246,6 +262,12 @@ class Engine:
     def groups(self) -> Iterator[FlatGroup]:
         for unit in self.units:
             yield from unit.groups
+
+    def held(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor the engine keeps alive, by what it holds ([Note: memory breakdown])."""
+        out = [item for group in self.groups() for item in group.held()]
+        out += [("comm_buffers", t) for result in self.stream.held_results() for t in tensors_in(result)]
+        return out
 
     def settle(self) -> None:
         """Outside backward, undo what a backward that raised left behind: working tensors shown in the module,

@@ -56,7 +56,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..comm import collectives as C
 from ..comm import hierarchical as H
-from ..comm.codecs import codec_from_spec
+from ..comm.codecs import codec_from_spec, hop_codecs
 from ..comm.quantized import QuantizedGather, QuantizedReduceScatter
 from ..comm.stream import drain_all, stream_for
 from .layout import ParamLayout, plan_columns
@@ -205,7 +205,9 @@ class FlatGroup:
                             for i in range(len(self.layouts))]
         self.aliases = [_alias(w) for w in self.working]
         self.allocated = True          # the working tensors have storage (always, when p is replicated)
-        self.p_shard = None if placement.p == 0 or not trainable else \
+        # the level-p copy is kept only where it differs from the masters' band (p finer than os); at p = os each
+        # gather casts the masters' band on the fly, as FSDP2 does ([Note: memory breakdown], engine.py)
+        self.p_shard = None if placement.p in (0, placement.os) or not trainable else \
             torch.empty(self.S // self.size(placement.p), dtype=param_dtype, device=device)
         self.grad_acc: torch.Tensor | None = None   # allocated by the first micro-step, handed over at the boundary
         # the gradient each master held after the last micro-step ([Note: gradients between micro-steps])
@@ -213,8 +215,9 @@ class FlatGroup:
         self.hpz: dict[int, tuple[int, torch.Tensor]] = {}   # level -> (weights version, band or its wire)
         plan = placement.plan
         self.qwz = QuantizedGather(codec_from_spec(plan.qwz)) if plan.qwz else None
-        self.qgz = QuantizedReduceScatter(codec_from_spec(plan.qgz.removesuffix("+ef")),
-                                          plan.qgz.endswith("+ef")) if plan.qgz else None
+        # one codec per tier; seeded from torch's seed at ts.shard, so runs seeded alike reduce alike
+        self.qgz = QuantizedReduceScatter(hop_codecs(placement.qgz_spec, len(topo.sizes)), plan.error_feedback,
+                                          seed=torch.initial_seed()) if plan.qgz else None
         self._encoded_p = None         # (weights version, wire): the qwz encoding of p_shard, reused until it changes
         self.cc = plan.cc
         self.stream = stream_for(topo)
@@ -223,6 +226,10 @@ class FlatGroup:
         self._rebuild = False          # the masters changed since p_shard (or, replicated, the working copy) was made
         self.weights_version = 0
         self.gathered_version = -1     # weights version the working tensors hold
+        self.gauge: MemoryGauge | None = None   # the engine's high-water marks (set by ts.shard)
+        elem = torch.empty(0, dtype=param_dtype).element_size()
+        self.working_bytes = sum(layout.numel for layout in self.layouts) * elem
+        self.matrix_bytes = self.S * elem if placement.p > 0 else 0   # a gathered (slots x U) matrix
         self.sync_params()
         self.release()
 
@@ -280,10 +287,12 @@ class FlatGroup:
             any(m.__dict__.get("_tiershard_touched", False) for m in self.masters)
 
     # ---- parameters: masters -> p_shard -> working ------------------------------------------------
-    def _pack_masters(self, dtype: torch.dtype) -> torch.Tensor:
-        """The masters as this rank's band at their level (slots x U), in ``dtype``: one interleaving copy."""
+    def _pack_masters(self, dtype: torch.dtype, band: torch.Tensor | None = None) -> torch.Tensor:
+        """The masters as this rank's band at their level (slots x U), in ``dtype``: one interleaving copy
+        (into ``band`` when given)."""
         n, first = self.slots(self.level), self.first_slot(self.level)
-        band = torch.empty(self.S // self.size(self.level), dtype=dtype, device=self.device)
+        if band is None:
+            band = torch.empty(self.S // self.size(self.level), dtype=dtype, device=self.device)
         _chunk_cat([layout.band(first, n).padded_flat(self.master_local(i)) for i, layout in enumerate(self.layouts)],
                    n, band)
         return band
@@ -314,15 +323,19 @@ class FlatGroup:
         return layout.band(0, self.W).real(gathered.view(self.W * layout.rows, layout.row))
 
     @torch.no_grad()
-    def full_values(self, rank0_only: bool = False) -> list[torch.Tensor]:
+    def full_values(self, rank0_only: bool = False, scratch: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Every parameter's full fp32 value: one all-gather of the masters for the group, or with
-        ``rank0_only`` one gather to rank 0 (the other ranks get an empty list and hold nothing more)."""
+        ``rank0_only`` one gather to rank 0 (the other ranks get an empty list and hold nothing more).
+        ``scratch``: fp32 room for the band and the gathered group (``scratch_size``), reused across groups so
+        that no unit-sized buffer is allocated and freed per group (freed holes stay resident)."""
         self.stream.drain()
-        band = self._pack_masters(torch.float32)
+        length = self.S // self.size(self.level)
+        band = self._pack_masters(torch.float32, None if scratch is None else scratch[:length])
         group = self.group(0, self.level)
         if rank0_only and 0 not in group.ranks:
             return []
-        full = torch.empty(self.S if not rank0_only or self.rank == 0 else 0, device=self.device)
+        size = self.S if not rank0_only or self.rank == 0 else 0
+        full = torch.empty(size, device=self.device) if scratch is None else scratch[length:length + size]
         if rank0_only:
             C.gather_to_first(full, band, group, self.topo, "state_dict")
         else:
@@ -333,12 +346,18 @@ class FlatGroup:
         self._split_full(full, outs)
         return outs
 
+    def scratch_size(self, rank0_only: bool = False) -> int:
+        """fp32 elements ``full_values`` works in on this rank."""
+        return self.S // self.size(self.level) + (self.S if not rank0_only or self.rank == 0 else 0)
+
     @torch.no_grad()
     def sync_params(self) -> None:
         """The masters changed: drop every derived copy. The level-p copy is rebuilt by the next gather, on the
         stream ([Note: deferred rebuild])."""
         self.stream.drain()
-        self._gathering = None
+        if self._gathering is not None:        # dropped unused: the drained stream no longer holds it either
+            self._gathering = None
+            self._gauge_add(buffers=-self.matrix_bytes)
         self.weights_version += 1
         self.hpz.clear()
         self._encoded_p = None
@@ -375,10 +394,11 @@ class FlatGroup:
         if self._gathering is not None:
             if self._gathering[1] == exact or replicated:   # a replicated rebuild is exact either way
                 return
-            self._gathering[0].result()            # a prefetch of the other kind: let it finish, unused
+            self._gathering[0].take()              # a prefetch of the other kind: let it finish, unused
             self._gathering = None
-        rebuild = self._rebuild
-        if not rebuild and (replicated or self.gathered_version == self.weights_version and not exact):
+            self._gauge_add(buffers=-self.matrix_bytes)
+        rebuild = self._rebuild and (replicated or self.p_shard is not None)   # at p = os nothing to rebuild
+        if not self._rebuild and (replicated or self.gathered_version == self.weights_version and not exact):
             return                         # replicated weights are always there, and exact (no qwz on them)
         self._rebuild = False
         pl = self.pl
@@ -390,22 +410,29 @@ class FlatGroup:
                 break
         if level == pl.p and source is None:
             source = self._pack_masters(self.param_dtype)
-        future = self.stream.submit(self._gather_matrix, op, exact, level, source, self.weights_version, rebuild,
-                                    unit=self.unit)
+        # the matrix is allocated here, by the thread that frees it after the copy-out: on CPUs a buffer made by
+        # the communication thread would come from (and stay in) that thread's own malloc arena
+        full = None if replicated else torch.empty(self.S, dtype=self.param_dtype, device=self.device)
+        future = self.stream.submit(self._gather_matrix, op, exact, level, source, self.weights_version, full,
+                                    rebuild, unit=self.unit)
         self._gathering = (future, exact)
+        self._gauge_add(buffers=self.matrix_bytes)
 
     def gather_finish(self) -> None:
         """Wait for the gather in flight, if any, and copy it out into the working tensors."""
         if self._gathering is None:
             return
         (future, exact), self._gathering = self._gathering, None
-        full, version = future.result()
+        full, version = future.take()  # the matrix is ours alone now: freed after the copy-out
         if not self.allocated:
             for w in self.working:
                 w.untyped_storage().resize_(w.numel() * w.element_size())
             self.allocated = True
+            self._gauge_add(gathered=self.working_bytes)
         if full is not None:           # None: a replicated rebuild, already in the working tensors
             self._copy_out(full)
+            del full
+        self._gauge_add(buffers=-self.matrix_bytes)
         # an exact copy is not reused under qwz; a replicated copy is always exact and stays until the next step
         self.gathered_version = version if self.pl.p == 0 or not exact else -1
 
@@ -415,7 +442,7 @@ class FlatGroup:
         self.gather_finish()
 
     def _gather_matrix(self, op: str, exact: bool, level: int, source: torch.Tensor, version: int,
-                       rebuild: bool = False):
+                       full: torch.Tensor | None, rebuild: bool = False):
         """(On the stream.) The whole (slots x U) matrix of the weights, and the hpz bands it leaves behind;
         with ``rebuild`` the level-p copy is made from the masters first."""
         pl = self.pl
@@ -424,7 +451,6 @@ class FlatGroup:
             if level_p is not None:        # replicated: the rebuilt copy is the whole matrix; into the working
                 self._split_full(level_p, self.aliases)    # tensors here, so rebuilds issued early hold no copy
                 return None, version
-        full = torch.empty(self.S, dtype=self.param_dtype, device=self.device)
         encoded = None
         if self.qwz is None or exact:
             self._all_gather(full, source, 0, level, op)
@@ -453,6 +479,33 @@ class FlatGroup:
             w.untyped_storage().resize_(0)
         self.allocated = False
         self.gathered_version = -1
+        self._gauge_add(gathered=-self.working_bytes)
+
+    def _gauge_add(self, gathered: int = 0, buffers: int = 0) -> None:
+        if self.gauge is not None and self.pl.p > 0:
+            self.gauge.add(gathered, buffers)
+
+    def held(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor this group keeps alive, by what it holds ([Note: memory breakdown], engine.py); a storage
+        may appear twice (a gradient that views the accumulator, frozen replicated weights): count it once."""
+        out = []
+        for i, master in enumerate(self.masters):
+            out.append(("master_weights" if self.trainable else "frozen_weights", self.master_local(i)))
+            grad = _get_grad(master)
+            if grad is not None:
+                out.append(("gradients", grad._local_tensor if isinstance(grad, DTensor) else grad))
+        out += [("gradients", t) for t in (self.grad_acc, *(p._local_tensor for p in self._pending if p is not None))
+                if t is not None]
+        if self.p_shard is not None:
+            out.append(("working_weights", self.p_shard))
+        out += [("working_weights" if self.pl.p == 0 else "gathered", w) for w in self.working]
+        out += [("gradients", w.grad) for w in self.working if w.grad is not None]
+        out += [("hpz_bands", band) for _, band in self.hpz.values()]
+        if self._encoded_p is not None:
+            out.append(("codec_scratch", self._encoded_p[1]))
+        if self.qgz is not None:
+            out += [("ef_residuals", r) for r in self.qgz.residuals.values()]
+        return out
 
     def _hpz_band(self, level: int, full: torch.Tensor, encoded):
         """This rank's level-``level`` band of the gathered weights: exact values, or under qwz the encodings
@@ -544,7 +597,7 @@ class FlatGroup:
         """Sum over the (inner -> outer) group, keeping this rank's level-``outer`` chunk; qgz goes tier by tier."""
         if self.qgz is not None:
             hops = [self.group(k - 1, k) for k in range(inner + 1, outer + 1)]
-            return self.qgz(buf, hops, self.topo, op, key=(inner, outer), segments=self.cols)
+            return self.qgz(buf, hops, self.topo, op, key=(inner, outer), segments=self.cols, first_tier=inner + 1)
         if self.cc:
             return H.reduce_scatter(buf, inner, outer, self._hop, self.topo, op)
         out = torch.empty(self.S // self.size(outer), dtype=buf.dtype, device=self.device)
@@ -634,6 +687,24 @@ class FlatGroup:
             "masters": masters,
             "hpz": hpz,
         }
+
+
+class MemoryGauge:
+    """High-water marks of what an engine's gathers hold ([Note: memory breakdown], engine.py): working tensors
+    with storage (``gathered``) and whole matrices issued and not yet copied out (``buffers``)."""
+
+    def __init__(self) -> None:
+        self.gathered = self.buffers = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.peak_gathered, self.peak_buffers = self.gathered, self.buffers
+
+    def add(self, gathered: int, buffers: int) -> None:
+        self.gathered += gathered
+        self.buffers += buffers
+        self.peak_gathered = max(self.peak_gathered, self.gathered)
+        self.peak_buffers = max(self.peak_buffers, self.buffers)
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
