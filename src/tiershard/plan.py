@@ -38,6 +38,8 @@ PRESETS = {
 QWZ_CODECS = ("int8",)
 QGZ_CODECS = ("int4", "int8")
 QGZ_DEFAULT = "int8:128:h/int4:128:h"      # bare ``qgz`` ([Note: qgz specs])
+QWD_CODECS = ("int4", "int8")
+QWD_DEFAULT = "int4:2048"                  # bare ``qwd``: SDP4Bit's weight differences
 _HOP = r"(?:int)?(?:8|4)(?::[1-9][0-9]*)?(?::h(?::sr)?|:sr(?::h)?)?"
 _QGZ_SPEC = re.compile(rf"{_HOP}(?:/{_HOP})*")
 
@@ -52,6 +54,8 @@ class Plan:
 
     ``hpz``: levels (finer groups than ``p``) that keep a cached weight shard after a gather, innermost last used.
     ``qwz``: codec for parameter all-gathers, ``"int8"`` or ``"int8:BLOCK"``.
+    ``qwd``: codec for parameter all-gathers that send differences against the outermost hpz band
+    (``"int4:2048"``; [Note: weight differences] in comm/weight_diff.py); needs hpz, excludes qwz.
     ``qgz``: codecs for gradient reduction, one per tier ([Note: qgz specs]), e.g. ``"int4"``, ``"8/4"``,
     ``"int8:128:h/int4:128:h"``, with ``"+ef"`` for error feedback.
     ``cc``: run global collectives hierarchically (intra then inter phases).
@@ -64,6 +68,7 @@ class Plan:
     qwz: str | None = None
     qgz: str | None = None
     cc: bool = False
+    qwd: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("p", "g", "os"):
@@ -74,6 +79,8 @@ class Plan:
             object.__setattr__(self, "hpz", tuple(self.hpz.split("/")))
         if self.qwz is not None:
             _check_codec("qwz", self.qwz, QWZ_CODECS, allow_ef=False)
+        if self.qwd is not None:
+            _check_codec("qwd", self.qwd, QWD_CODECS, allow_ef=False)
         if self.qgz is not None:
             _check_codec("qgz", self.qgz, QGZ_CODECS, allow_ef=True)
 
@@ -127,6 +134,8 @@ class Plan:
                 options["hpz"] = tuple(value.split("/")) if value else ("I",)
             elif key == "qwz":
                 options["qwz"] = value or "int8"
+            elif key == "qwd":
+                options["qwd"] = value or QWD_DEFAULT
             elif key == "qgz":
                 options["qgz"] = value or QGZ_DEFAULT
             elif key == "cc":
@@ -134,7 +143,7 @@ class Plan:
                     raise PlanError(f"cc takes no value in {text!r}")
                 options["cc"] = True
             else:
-                raise PlanError(f"unknown plan option {key!r} in {text!r}: known options are hpz, qwz, qgz, cc")
+                raise PlanError(f"unknown plan option {key!r} in {text!r}: known options are hpz, qwz, qwd, qgz, cc")
         return cls(**fields, **options)
 
     def __str__(self) -> str:
@@ -149,8 +158,9 @@ class Plan:
     # ---- quality ------------------------------------------------------------------------------
     @property
     def lossy(self) -> bool:
-        """Whether the plan quantizes anything (qwz weights or qgz gradients): its training differs from exact."""
-        return bool(self.qwz or self.qgz)
+        """Whether the plan quantizes anything (qwz / qwd weights or qgz gradients): its training differs from
+        exact."""
+        return bool(self.qwz or self.qwd or self.qgz)
 
     @property
     def error_feedback(self) -> bool:
@@ -173,7 +183,7 @@ class Plan:
         """``'exact'``, or ``'lossy: '`` and the bits of what is quantized, per tier when ``topology`` is given:
         e.g. ``'lossy: weights int8, gradients int8 (node) / int4 (world)'``."""
         return self.resolve(topology).quality if topology is not None else \
-            _quality(self.qwz, self.qgz and self.qgz.removesuffix("+ef"))
+            _quality(self.qwz, self.qgz and self.qgz.removesuffix("+ef"), qwd=self.qwd)
 
     # ---- topology -----------------------------------------------------------------------------
     def resolve(self, topology: "Topology") -> "Placement":
@@ -198,6 +208,12 @@ class Plan:
         if self.qwz and p == 0:
             raise PlanError(f"qwz quantizes parameter gathers, but p={self.p} is replicated and never gathered: "
                             "shard p (e.g. GGG+qwz) or drop qwz")
+        if self.qwd and self.qwz:
+            raise PlanError("qwd and qwz both quantize the parameter gathers: keep one (qwd sends 4-bit differences "
+                            "against the hpz band, qwz int8 values), e.g. GGG+hpz+qwd")
+        if self.qwd and (p == 0 or not hpz):
+            raise PlanError(f"qwd sends weight differences against the hpz band every rank of a node holds, but "
+                            f"{'p is replicated' if p == 0 else 'the plan has no hpz'}: use e.g. GGG+hpz+qwd")
         if self.qgz and g == 0 and os_ == 0:
             raise PlanError("qgz quantizes gradient reduction, but g and os are both N (plain all-reduce): "
                             "use a plan that reduce-scatters, e.g. NIG+qgz")
@@ -247,7 +263,9 @@ class Placement:
         text = runs[0][0] if len(runs) == 1 else " / ".join(f"{b} ({', '.join(tiers)})" for b, tiers in runs)
         if runs and self.plan.error_feedback:
             text += " +ef"
-        return _quality(self.plan.qwz if self.size(self.p) > 1 else None, text if runs else None, bits=False)
+        gathered = self.size(self.p) > 1
+        return _quality(self.plan.qwz if gathered else None, text if runs else None, bits=False,
+                        qwd=self.plan.qwd if gathered else None)
 
 
 def _option_tokens(plan: Plan) -> list[str]:
@@ -256,6 +274,8 @@ def _option_tokens(plan: Plan) -> list[str]:
         tokens.append("hpz" if plan.hpz == ("I",) else "hpz=" + "/".join(plan.hpz))
     if plan.qwz:
         tokens.append("qwz" if plan.qwz == "int8" else f"qwz={plan.qwz}")
+    if plan.qwd:
+        tokens.append("qwd" if plan.qwd == QWD_DEFAULT else f"qwd={plan.qwd}")
     if plan.qgz:
         body = plan.qgz.removesuffix("+ef")
         tokens.append(("qgz" if body == QGZ_DEFAULT else f"qgz={body}") + ("+ef" if plan.error_feedback else ""))
@@ -269,8 +289,8 @@ def _bits(spec: str) -> str:
     return "int" + spec.removeprefix("int")[0]
 
 
-def _quality(qwz: str | None, qgz: str | None, bits: bool = True) -> str:
-    parts = ([f"weights {_bits(qwz)}"] if qwz else []) + \
+def _quality(qwz: str | None, qgz: str | None, bits: bool = True, qwd: str | None = None) -> str:
+    parts = ([f"weights {_bits(qwz)}"] if qwz else []) + ([f"weights {_bits(qwd)} differences"] if qwd else []) + \
         ([f"gradients {'/'.join(_bits(s) for s in qgz.split('/')) if bits else qgz}"] if qgz else [])
     return "lossy: " + ", ".join(parts) if parts else "exact"
 

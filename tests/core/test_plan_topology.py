@@ -213,3 +213,18 @@ def test_plan_grammar_agrees_with_the_codec_parser():
         if plan is not None:        # and map a list onto the tiers alike
             assert [c.spec for c in codecs.hop_codecs(plan.resolve(ts.Topology((2, 4, 8))).qgz_spec, 3)] == \
                 [c.spec for c in hops], spec
+
+
+def test_qwd_plans_round_trip_and_refuse_what_cannot_work():
+    from tiershard.plan import Plan, PlanError
+
+    topo = ts.Topology((2, 4))
+    for text in ("GGG+hpz+qwd", "GGG+hpz+qwd=int4:512+qgz", "GGG+hpz+qwd=int8+qgz=8/4+ef"):
+        plan = Plan.parse(text)
+        assert str(plan) == text and Plan.parse(str(plan)) == plan and plan.lossy
+    assert Plan.parse("GGG+hpz+qwd").qwd == "int4:2048"
+    assert Plan.parse("GGG+hpz+qwd").quality(topo) == "lossy: weights int4 differences"
+    for text, words in (("GGG+qwd", "no hpz"), ("GGG+hpz+qwz+qwd", "keep one"), ("NGG+hpz+qwd", "hpz level"),
+                        ("GGG+hpz+qwd=int2", "unknown qwd codec")):
+        with pytest.raises(PlanError, match=words):
+            Plan.parse(text).resolve(topo)

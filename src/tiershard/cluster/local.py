@@ -13,6 +13,7 @@ launch time explicitly (as a fresh interpreter would).
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_module
 import socket
 import time
@@ -54,7 +55,9 @@ def _worker(rank, world, port, fn, args, queue, environ=None):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(rank, world, *args)
-        queue.put((rank, "ok", result))
+        # by value: a tensor put on the queue as itself is shared through a file descriptor that dies with this
+        # process, which may exit before the caller reads it
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -91,7 +94,7 @@ def run_local(fn, world: int, *args, timeout: float = 600) -> list:
                                   f"after {timeout:.0f} s")
                 continue
             if status == "ok":
-                results[rank] = value
+                results[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank}:\n{value}")
     finally:

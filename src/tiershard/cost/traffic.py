@@ -19,7 +19,10 @@ level ``L`` and top = world:
     after the step       p < os: all-gather over (p -> os) of S/d(p) x param bytes
 
 With qwz every parameter gather moves the int8 encodings of the d(p) chunks (payload plus fp32 scales) instead
-of param bytes. With qgz every reduce-scatter from level a to b becomes one all-to-all per tier between them
+of param bytes. With qwd (which needs hpz) the gather from level p sends, over the tiers from the outermost hpz
+level h to p, each chunk's difference in the qwd codec (``param_diff``), then gathers the whole matrix exactly
+over level h; this is the steady state: the first gather after ``ts.shard`` or a write that is not an optimizer
+step sends values exactly. With qgz every reduce-scatter from level a to b becomes one all-to-all per tier between them
 (see [Note: qgZ hops] in comm/quantized.py), each of the encodings of its input's slots in that tier's own codec
 (``Placement.qgz_spec``: one per tier), with blocks cut along the parameters of each row
 (``FlatGroupShape.columns``). With cc every other
@@ -95,7 +98,17 @@ def group_collectives(pl: "Placement", shape: FlatGroupShape, param_bytes: int, 
         bwd = micro_steps if shape.backward else 0
         full = S * param_bytes if qwz is None else d(pl.p) * qwz.wire_bytes(S // d(pl.p))
         codec = 0 if qwz is None else S * param_bytes     # decode the whole unit (its shard's encoding is cached)
-        if pl.hpz:
+        if pl.hpz and pl.plan.qwd:
+            from ..comm.codecs import codec_from_spec
+
+            h, qwd = max(pl.hpz), codec_from_spec(pl.plan.qwd)
+            out.append(Collective("param_diff", "all_gather", h, pl.p, d(pl.p) // d(h) * qwd.wire_bytes(S // d(pl.p)),
+                                  1, 4 * (S // d(pl.p) + S // d(h))))
+            out.append(Collective("param_gather", "all_gather", 0, h, full, 1))
+            cached = min(pl.hpz)
+            out.append(Collective("param_gather", "all_gather", 0, cached, full, fwd - 1, codec))
+            out.append(Collective("param_gather_backward", "all_gather", 0, cached, full, bwd, codec))
+        elif pl.hpz:
             cached = min(pl.hpz)
             out.append(Collective("param_gather", "all_gather", 0, pl.p, full, 1, codec))
             out.append(Collective("param_gather", "all_gather", 0, cached, full, fwd - 1, codec))
@@ -120,7 +133,7 @@ def group_collectives(pl: "Placement", shape: FlatGroupShape, param_bytes: int, 
     if pl.plan.cc:
         quantized_gathers = {"param_gather", "param_gather_backward"} if qwz is not None else set()
         out = [hop for c in out for hop in
-               ([c] if c.op in quantized_gathers or c.kind == "all_to_all" else _phases(c, d))]
+               ([c] if c.op in quantized_gathers | {"param_diff"} or c.kind == "all_to_all" else _phases(c, d))]
     return [c for c in out if c.count > 0 and pl.size(c.outer) > pl.size(c.inner)]
 
 

@@ -52,7 +52,7 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
     own dtype); ``reduce_dtype``: gradient reduction precision (default ``param_dtype``). Masters and optimizer
     states are fp32 DTensors with the parameters' names and shapes; frozen parameters (``requires_grad=False``)
     are kept only in ``param_dtype`` at level p. Every rank starts from rank 0's weights and buffers. The
-    model's device decides where every buffer lives. ``qwz_eval``: with qwZ, forwards under ``torch.no_grad()``
+    model's device decides where every buffer lives. ``qwz_eval``: with qwZ or qWD, forwards under ``torch.no_grad()``
     (evaluation, ``generate()``) gather exact weights unless this is True. ``prefetch``: units whose gathers are
     issued ahead (forward order, reversed for backward) while the current one computes; reductions run behind
     backward on the communication stream; 0 runs every collective in place (the synchronous schedule).

@@ -335,7 +335,7 @@ class Engine:
         self.settle()
         for group in self.groups():
             if any(id(m) in stepped for m in group.masters):
-                group.sync_params()
+                group.sync_params(step=True)
 
 
 def _map_tensors(fn, tree):

@@ -58,6 +58,7 @@ from ..comm import collectives as C
 from ..comm import hierarchical as H
 from ..comm.codecs import codec_from_spec, hop_codecs
 from ..comm.quantized import QuantizedGather, QuantizedReduceScatter
+from ..comm.weight_diff import DiffGather
 from ..comm.stream import drain_all, stream_for
 from .layout import ParamLayout, plan_columns
 
@@ -219,6 +220,10 @@ class FlatGroup:
         self.qgz = QuantizedReduceScatter(hop_codecs(placement.qgz_spec, len(topo.sizes)), plan.error_feedback,
                                           seed=torch.initial_seed()) if plan.qgz else None
         self._encoded_p = None         # (weights version, wire): the qwz encoding of p_shard, reused until it changes
+        # qwd: the outermost hpz band, kept across optimizer steps as the reference the next gather's differences
+        # are taken against ([Note: weight differences], comm/weight_diff.py); None until an exact gather makes it
+        self.qwd = DiffGather(codec_from_spec(plan.qwd)) if plan.qwd else None
+        self.reference: torch.Tensor | None = None
         self.cc = plan.cc
         self.stream = stream_for(topo)
         self._gathering = None         # (future of the gathered matrix, exact): a gather in flight
@@ -351,10 +356,14 @@ class FlatGroup:
         return self.S // self.size(self.level) + (self.S if not rank0_only or self.rank == 0 else 0)
 
     @torch.no_grad()
-    def sync_params(self) -> None:
+    def sync_params(self, step: bool = False) -> None:
         """The masters changed: drop every derived copy. The level-p copy is rebuilt by the next gather, on the
-        stream ([Note: deferred rebuild])."""
+        stream ([Note: deferred rebuild]). ``step``: an optimizer step made the change, a small one, so qwd's
+        reference band stays; any other write (a load, ``.data``, an in-place edit) drops it and the next gather
+        is exact."""
         self.stream.drain()
+        if not step:
+            self.reference = None
         if self._gathering is not None:        # dropped unused: the drained stream no longer holds it either
             self._gathering = None
             self._gauge_add(buffers=-self.matrix_bytes)
@@ -452,7 +461,9 @@ class FlatGroup:
                 self._split_full(level_p, self.aliases)    # tensors here, so rebuilds issued early hold no copy
                 return None, version
         encoded = None
-        if self.qwz is None or exact:
+        if self.qwd is not None and not exact and level == pl.p:
+            self._gather_differences(full, source, version, op)
+        elif self.qwz is None or exact:
             self._all_gather(full, source, 0, level, op)
         else:
             chunks, numel = self.size(pl.p), self.S // self.size(pl.p)
@@ -466,6 +477,21 @@ class FlatGroup:
             if self.hpz.get(h, (None,))[0] != version:
                 self.hpz[h] = (version, self._hpz_band(h, full, encoded))
         return self.stream.hand_over(full), version
+
+    def _gather_differences(self, full: torch.Tensor, chunk: torch.Tensor, version: int, op: str) -> None:
+        """(On the stream.) qwd: the reference band moved on by every member's quantized difference over the
+        tiers above it, then the whole matrix gathered exactly from the bands inside them; the first gather (no
+        reference yet) sends values exactly and keeps its band as the reference."""
+        h = self.pl.hpz[-1]
+        if self.reference is None:
+            self._all_gather(full, chunk, 0, self.pl.p, op)
+            start, end = self.chunk_range(h)
+            self.reference = full[start:end].clone()
+        else:
+            self.reference = self.qwd.gather(chunk, self.reference, self.group(h, self.pl.p), self.topo,
+                                             "param_diff")
+            self._all_gather(full, self.reference, 0, h, op)
+        self.hpz[h] = (version, self.reference)
 
     def _copy_out(self, full: torch.Tensor) -> None:
         self._split_full(full, self.aliases)
@@ -501,6 +527,8 @@ class FlatGroup:
         out += [("working_weights" if self.pl.p == 0 else "gathered", w) for w in self.working]
         out += [("gradients", w.grad) for w in self.working if w.grad is not None]
         out += [("hpz_bands", band) for _, band in self.hpz.values()]
+        if self.reference is not None:
+            out.append(("hpz_bands", self.reference))
         if self._encoded_p is not None:
             out.append(("codec_scratch", self._encoded_p[1]))
         if self.qgz is not None:
