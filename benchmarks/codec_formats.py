@@ -1,8 +1,8 @@
 """Rotated (``:h``) and stochastic (``:sr``) codec formats: speed against memcpy, and round-trip error.
 
-Throughput: for N fp32 values split into 8 chunks, the best of ``--reps`` runs of ``torch.clone`` (memcpy) and of
-``encode_wire`` + ``decode_wire`` (C backend unless ``TIERSHARD_CODEC_KERNELS=torch``); the last column is
-time(memcpy) / (time(encode) + time(decode)).
+Throughput: for N fp32 values split into 8 chunks, the best of ``--reps`` runs of ``torch.clone`` (memcpy, measured
+again for each codec) and of ``encode_wire`` + ``decode_wire`` (C backend unless ``TIERSHARD_CODEC_KERNELS=torch``);
+the last column is time(memcpy) / (time(encode) + time(decode)).
 
 Error: a gradient-like tensor (N(0, 1) rows times a lognormal row scale, 0.1% of values x50) encoded once per seed;
 ``rel L2`` is ||x_hat - x|| / ||x||, ``bias`` is ||mean over seeds of (x_hat - x)|| / ||x||: what is left of the error
@@ -37,12 +37,12 @@ def _best(fn, reps: int) -> float:
 def throughput(n: int, reps: int, threads: int) -> None:
     torch.set_num_threads(threads)
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
-    copy = _best(lambda: x.clone(), reps)
     print(f"{'codec':>15} {'memcpy us':>10} {'encode us':>10} {'decode us':>10} {'e+d/memcpy':>11}")
     for spec in SPEED_SPECS:
         codec = codec_from_spec(spec)
         wire = codec.encode_wire(x, 8, seed=1)
         out = torch.empty(n)
+        copy = _best(lambda: x.clone(), reps)  # per row, so a busy machine slows both sides of the ratio alike
         enc = _best(lambda: codec.encode_wire(x, 8, wire, seed=1), reps)
         dec = _best(lambda: codec.decode_wire(wire, 8, n // 8, out), reps)
         print(f"{spec:>15} {copy * 1e6:10.0f} {enc * 1e6:10.0f} {dec * 1e6:10.0f} {copy / (enc + dec):11.0%}")

@@ -11,7 +11,7 @@
 #include <immintrin.h>
 #else
 #define TS_AVX512 0
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #endif
@@ -793,8 +793,11 @@ int ts_decode_seg(const uint8_t* pay, int64_t pstride, const uint8_t* sc, int64_
 
 /* ---- rotated and stochastic formats (format.py: "Rotation", "Stochastic rounding") ----
    One general path for codecs with rotate or stochastic set, flat (bs == NULL: block j covers [j*block, ...)) or
-   with a row layout (bs as above). Each block is read into an fp32 buffer, its whole 32-value groups rotated, then
-   its scale taken and its values quantized (nearest, or floor(y / scale + u) with u from the counter hash). Work units
+   with a row layout (bs as above). Each block's whole 32-value groups are loaded into four 8-lane registers, rotated
+   there and stored to an fp32 buffer with their absmax taken on the way (the rest of the block is copied as it is),
+   then its scale is taken and its values quantized 32 at a time (nearest, or floor(y / scale + u) with u from the
+   counter hash, eight hashes per vector), with the exact division only where a value lies next to a rounding
+   boundary (quant_fast_x). Decoding dequantizes each group into registers, rotates it and stores it. Work units
    start on even values (flat: group_blocks; layouts: whole rows, an even number when U is odd), so int4 bytes are
    staged one value a byte per unit and packed without two threads sharing a byte. */
 #define TS_NORM32 0.17677669529663687f  /* fp32(32 ** -0.5) */
@@ -807,39 +810,11 @@ static inline uint32_t ts_row_key(uint64_t seed, int64_t i) {
 }
 /* Five butterfly stages h = 1..16 in the format's order, then the product by fp32(32 ** -0.5). Every output is the
    a + b or a - b of the same two values whichever way it is computed, so the vector form gives the scalar bits. */
-#if defined(__GNUC__) && !defined(__clang__)
-typedef float ts_v8f __attribute__((vector_size(32)));
-typedef int32_t ts_v8i __attribute__((vector_size(32)));
-static inline ts_v8f ts_bfly(ts_v8f v, ts_v8i lo, ts_v8i hi, ts_v8i pick) {  /* a stage inside 8 lanes */
-    const ts_v8f a = __builtin_shuffle(v, lo), b = __builtin_shuffle(v, hi);
-    return __builtin_shuffle(a + b, a - b, pick);
-}
-static inline void fwht32(float* restrict v) {
-    ts_v8f r[4];
-    memcpy(r, v, 128);
-    for (int i = 0; i < 4; i++) {
-        r[i] = ts_bfly(r[i], (ts_v8i){0, 0, 2, 2, 4, 4, 6, 6}, (ts_v8i){1, 1, 3, 3, 5, 5, 7, 7},
-                       (ts_v8i){0, 9, 2, 11, 4, 13, 6, 15});
-        r[i] = ts_bfly(r[i], (ts_v8i){0, 1, 0, 1, 4, 5, 4, 5}, (ts_v8i){2, 3, 2, 3, 6, 7, 6, 7},
-                       (ts_v8i){0, 1, 10, 11, 4, 5, 14, 15});
-        r[i] = ts_bfly(r[i], (ts_v8i){0, 1, 2, 3, 0, 1, 2, 3}, (ts_v8i){4, 5, 6, 7, 4, 5, 6, 7},
-                       (ts_v8i){0, 1, 2, 3, 12, 13, 14, 15});
-    }
-    ts_v8f a = r[0] + r[1], b = r[0] - r[1], c = r[2] + r[3], d = r[2] - r[3];  /* h = 8 */
-    const ts_v8f n = {TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32};
-    r[0] = (a + c) * n; r[1] = (b + d) * n; r[2] = (a - c) * n; r[3] = (b - d) * n;  /* h = 16 */
-    memcpy(v, r, 128);
-}
-#else
 static inline void fwht32(float* restrict v) {
     for (int h = 1; h < 32; h <<= 1)
         for (int p = 0; p < 32; p += 2 * h)
             for (int t = p; t < p + h; t++) { const float a = v[t], b = v[t + h]; v[t] = a + b; v[t + h] = a - b; }
     for (int t = 0; t < 32; t++) v[t] *= TS_NORM32;
-}
-#endif
-static inline void rotate_block(float* restrict v, int64_t m) {
-    for (int64_t g = 0; g + 32 <= m; g += 32) fwht32(v + g);
 }
 static void load_f32(const char* x, int dt, int64_t m, float* restrict v) {
     if (dt == DT_F32) { memcpy(v, x, (size_t)(4 * m)); return; }
@@ -849,23 +824,252 @@ static void load_f32(const char* x, int dt, int64_t m, float* restrict v) {
     else { for (int64_t i = 0; i < m; i++) v[i] = f16_to_f32(xh[i]); }
 #endif
 }
-/* Block of m values (fp32 in v, rotated already): its scale, and q + off as bytes into q. */
-static float quant_block_x(const float* restrict v, int64_t m, int bits, int sr, uint32_t bkey, uint8_t* restrict q) {
+static void store_f32(const float* restrict v, int64_t m, char* o, int dt, int add) {
+    if (add) { float* of = (float*)o; for (int64_t i = 0; i < m; i++) of[i] += v[i]; }
+    else if (dt == DT_F32) memcpy(o, v, (size_t)(4 * m));
+    else if (dt == DT_BF16) { uint16_t* oh = (uint16_t*)o; for (int64_t i = 0; i < m; i++) oh[i] = f32_to_bf16(v[i]); }
+#if TS_HAVE_F16
+    else { uint16_t* oh = (uint16_t*)o; for (int64_t i = 0; i < m; i++) oh[i] = f32_to_f16(v[i]); }
+#endif
+}
+/* values p..p+m-1 of a payload row, dequantized (q * scale) into v */
+static void dq_values(const uint8_t* prow, int64_t p, int64_t m, int bits, float scale, float* restrict v) {
+    if (bits == 8) { for (int64_t j = 0; j < m; j++) v[j] = (float)(int8_t)prow[p + j] * scale; }
+    else if (!(p & 1)) {  /* an even start: two values a byte */
+        const uint8_t* b = prow + p / 2;
+        for (int64_t j = 0; j < m / 2; j++) {
+            v[2 * j] = (float)((int32_t)(b[j] & 15u) - 8) * scale;
+            v[2 * j + 1] = (float)((int32_t)(b[j] >> 4) - 8) * scale;
+        }
+        if (m & 1) v[m - 1] = (float)((int32_t)(b[m / 2] & 15u) - 8) * scale;
+    } else for (int64_t j = 0; j < m; j++) {
+        const int64_t t = p + j;
+        v[j] = (float)((int32_t)((prow[t >> 1] >> (4 * (t & 1))) & 15u) - 8) * scale;
+    }
+}
+
+/* A group of 32 values in four 8-lane registers, r[R] holding values 8R..8R+7. The stages h = 1, 2, 4 pair values
+   inside a register, so each first trades its index bit with a register index bit (one two-input shuffle per
+   register), and every butterfly then adds and subtracts whole registers: each output is still the a + b or a - b of
+   the same two values, so the bits equal the scalar order's. The last two trades put every index bit back in place. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__AVX__)  /* 8-lane vectors; plain loops elsewhere */
+#define TS_VEC 1
+typedef float ts_v8f __attribute__((vector_size(32)));
+typedef int32_t ts_v8i __attribute__((vector_size(32)));
+typedef uint32_t ts_v8u __attribute__((vector_size(32)));
+typedef uint16_t ts_v8h __attribute__((vector_size(16)));
+typedef int8_t ts_v8b __attribute__((vector_size(8)));
+#define TS_TRADE(P, Q, E0, E1, E2, E3, E4, E5, E6, E7, O0, O1, O2, O3, O4, O5, O6, O7) do { \
+        const ts_v8f a_ = r[P], b_ = r[Q]; \
+        const ts_v8f e_ = __builtin_shuffle(a_, b_, (ts_v8i){E0, E1, E2, E3, E4, E5, E6, E7}); \
+        const ts_v8f o_ = __builtin_shuffle(a_, b_, (ts_v8i){O0, O1, O2, O3, O4, O5, O6, O7}); \
+        r[P] = e_ + o_; r[Q] = e_ - o_; } while (0)
+#define TS_LOW(P, Q) TS_TRADE(P, Q, 0, 2, 8, 10, 4, 6, 12, 14, 1, 3, 9, 11, 5, 7, 13, 15)   /* lane bit 0 in */
+#define TS_HALF(P, Q) TS_TRADE(P, Q, 0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)  /* lane bit 2 in */
+static inline __attribute__((always_inline)) void fwht_v(ts_v8f* restrict r) {
+    /* index bits held by (lane bits 0, 1, 2 | register bits 0, 1), from (0, 1, 2 | 3, 4) */
+    TS_LOW(0, 1); TS_LOW(2, 3);    /* h = 1:  (1, 3, 2 | 0, 4) */
+    TS_LOW(0, 1); TS_LOW(2, 3);    /* h = 2:  (3, 0, 2 | 1, 4) */
+    TS_HALF(0, 2); TS_HALF(1, 3);  /* h = 4:  (3, 0, 4 | 1, 2) */
+    TS_LOW(0, 1); TS_LOW(2, 3);    /* h = 8:  (0, 1, 4 | 3, 2) */
+    TS_HALF(0, 2); TS_HALF(1, 3);  /* h = 16: (0, 1, 2 | 3, 4), the natural order again */
+    const ts_v8f n = {TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32};
+    r[0] *= n; r[1] *= n; r[2] *= n; r[3] *= n;
+}
+/* lane-wise max of a and the |f| bits of f (|f| bits order like the values, nan above all: see absbits32) */
+static inline __attribute__((always_inline)) ts_v8u amax8(ts_v8u a, ts_v8f f) {
+    const ts_v8u u = (ts_v8u)f & 0x7fffffffu;
+#if defined(__AVX2__)
+    return (ts_v8u)_mm256_max_epu32((__m256i)a, (__m256i)u);
+#else
+    const ts_v8u gt = (ts_v8u)(u > a);
+    return (a & ~gt) | (u & gt);
+#endif
+}
+/* 8 values from x[i] as fp32 */
+static inline __attribute__((always_inline)) ts_v8f ld8(const char* x, int dt, int64_t i) {
+    ts_v8f f;
+    if (dt == DT_F32) memcpy(&f, (const float*)x + i, 32);
+    else if (dt == DT_BF16) {
+#if defined(__AVX2__)
+        const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)x + i));
+        const ts_v8u u = (ts_v8u)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+#else
+        ts_v8h h; memcpy(&h, (const uint16_t*)x + i, 16);
+        const ts_v8u u = __builtin_convertvector(h, ts_v8u) << 16;
+#endif
+        memcpy(&f, &u, 32);
+    } else {
+#if defined(__F16C__)
+        f = (ts_v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)x + i)));
+#else
+        float t[8]; load_f32(x + 2 * i, dt, 8, t); memcpy(&f, t, 32);
+#endif
+    }
+    return f;
+}
+/* 8 fp32 values to o[i] as dt, or added to fp32 o[i] */
+static inline __attribute__((always_inline)) void st8(ts_v8f f, char* o, int dt, int64_t i, int add) {
+    if (add) { ts_v8f c; memcpy(&c, (float*)o + i, 32); c += f; memcpy((float*)o + i, &c, 32); }
+    else if (dt == DT_F32) memcpy((float*)o + i, &f, 32);
+    else if (dt == DT_BF16) {  /* round to nearest even; nan to 0x7fc0, as f32_to_bf16 */
+        ts_v8u u; memcpy(&u, &f, 32);
+        const ts_v8u nan = (ts_v8u)(f != f);
+        const ts_v8u r = (((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & ~nan) | (nan & 0x7fc0u);
+#if defined(__AVX2__)
+        const __m256i w = _mm256_packus_epi32((__m256i)r, (__m256i)r);  /* r < 2**16: no saturation */
+        _mm_storeu_si128((__m128i*)((uint16_t*)o + i), _mm256_castsi256_si128(_mm256_permute4x64_epi64(w, 0x08)));
+#else
+        const ts_v8h h = __builtin_convertvector(r, ts_v8h);
+        memcpy((uint16_t*)o + i, &h, 16);
+#endif
+    } else {
+#if defined(__F16C__)
+        _mm_storeu_si128((__m128i*)((uint16_t*)o + i),
+                         _mm256_cvtps_ph((__m256)f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+        float t[8]; memcpy(t, &f, 32); store_f32(t, 8, o + 2 * i, dt, 0);
+#endif
+    }
+}
+/* values p..p+7 of a payload row, q * scale */
+static inline __attribute__((always_inline)) ts_v8f dq8(const uint8_t* prow, int64_t p, int bits, ts_v8f vs) {
+    ts_v8i q;
+    if (bits == 8) {
+#if defined(__AVX2__)
+        q = (ts_v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(prow + p)));
+#else
+        ts_v8b b; memcpy(&b, prow + p, 8); q = __builtin_convertvector(b, ts_v8i);
+#endif
+    }
+    else {  /* value p + l is nibble l of the bytes from p / 2 (one nibble further when p is odd) */
+        const uint8_t* b = prow + (p >> 1);
+        uint32_t w; memcpy(&w, b, 4);
+        if (p & 1) w = (uint32_t)(((uint64_t)w | ((uint64_t)b[4] << 32)) >> 4);
+        const ts_v8u sh = {0, 4, 8, 12, 16, 20, 24, 28};
+        q = (ts_v8i)(((ts_v8u){w, w, w, w, w, w, w, w} >> sh) & 15u) - 8;
+    }
+    return __builtin_convertvector(q, ts_v8f) * vs;
+}
+#endif
+/* Block of m values at x (dt) into fp32 v, its whole groups rotated (rotate); returns the largest |value| as bits.
+   The values stay in x when nothing changes them (fp32, no rotation): *src says where they are. */
+static uint32_t load_block_x(const char* x, int dt, int64_t m, int rotate, float* restrict v, const float** src) {
+    int64_t g = 0;
+    uint32_t ab = 0;
+    *src = v;
+    if (rotate) {
+#ifdef TS_VEC
+        ts_v8u a = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (; g + 32 <= m; g += 32) {
+            ts_v8f r[4] = {ld8(x, dt, g), ld8(x, dt, g + 8), ld8(x, dt, g + 16), ld8(x, dt, g + 24)};
+            fwht_v(r);
+            a = amax8(amax8(amax8(amax8(a, r[0]), r[1]), r[2]), r[3]);
+            memcpy(v + g, &r[0], 32); memcpy(v + g + 8, &r[1], 32);
+            memcpy(v + g + 16, &r[2], 32); memcpy(v + g + 24, &r[3], 32);
+        }
+        for (int l = 0; l < 8; l++) ab = a[l] > ab ? a[l] : ab;
+#else
+        for (; g + 32 <= m; g += 32) { load_f32(x + g * (dt == DT_F32 ? 4 : 2), dt, 32, v + g); fwht32(v + g); }
+        ab = absbits32((const uint32_t*)v, g);
+#endif
+    } else if (dt == DT_F32) {
+        *src = (const float*)x;
+        return absbits32((const uint32_t*)x, m);
+    }
+    if (g < m) {
+        load_f32(x + g * (dt == DT_F32 ? 4 : 2), dt, m - g, v + g);
+        const uint32_t t = absbits32((const uint32_t*)(v + g), m - g);
+        ab = t > ab ? t : ab;
+    }
+    return ab;
+}
+#if defined(__AVX2__)
+/* Quantizing without a division per value. fp32 division is slow (one vector every 5-7 cycles on AVX2 machines) and
+   the reference's bits need the correctly rounded v / scale, so each vector first takes t = v * fp32(1 / scale):
+   with X = v / scale exactly, |t - X| <= 2**-23 |X| (1 + 2**-24) and |fp32(X) - X| <= 2**-24 |X|, and |X| < 128
+   (|v| <= absmax = scale * qmax up to rounding). Rounding only looks at where a value falls between boundaries
+   (nearest: half-integers; stochastic: integers, after adding u in fp32), and the approximate and the exact path
+   differ there by less than 2**-15 (stochastic: plus the two additions' roundings, 2**-24 |t + u| each, under
+   2**-14 in all). So when t (or fp32(t + u)) lies at least 2**-13 from every boundary, both fall on the same side of
+   all of them and give the same q; the distances are computed exactly. Any 32 values with a lane closer than that
+   (about one in a hundred) are quantized with the exact division instead. Normal scales only: 1 / scale is then
+   normal too (scale <= FLT_MAX / qmax < 2**126). */
+static inline __m256i ts_mix8(__m256i v) {
+    v = _mm256_xor_si256(v, _mm256_srli_epi32(v, 16));
+    v = _mm256_mullo_epi32(v, _mm256_set1_epi32(0x7FEB352D));
+    v = _mm256_xor_si256(v, _mm256_srli_epi32(v, 15));
+    v = _mm256_mullo_epi32(v, _mm256_set1_epi32((int)0x846CA68Bu));
+    return _mm256_xor_si256(v, _mm256_srli_epi32(v, 16));
+}
+/* q + off of values [0, m - m % 32) of v (scale normal and finite); returns how many it did. */
+static int64_t quant_fast_x(const float* restrict v, int64_t m, float scale, int bits, int sr, uint32_t bkey,
+                            uint8_t* restrict q) {
     const int32_t qmax = bits == 8 ? 127 : 7, off = bits == 8 ? 0 : 8;
-    const uint32_t a = absbits32((const uint32_t*)v, m);
-    float amax; memcpy(&amax, &a, 4);
-    const float scale = a >= 0x7f800000u ? NAN : amax / (float)qmax;
+    const __m256 vs = _mm256_set1_ps(scale), vy = _mm256_set1_ps(1.f / scale);
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 half = _mm256_set1_ps(0.5f), edge = _mm256_set1_ps(0.5f - 0x1p-13f);
+    const __m256i lo = _mm256_set1_epi8((char)-qmax), hi = _mm256_set1_epi8((char)qmax);
+    const __m256i vo = _mm256_set1_epi8((char)off);
+    const __m256i gold8 = _mm256_set1_epi32((int)(8u * 0x9E3779B9u)), key = _mm256_set1_epi32((int)bkey);
+    __m256i jg = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)0x9E3779B9u));
+    int64_t j = 0;
+    for (; j + 32 <= m; j += 32) {
+        __m256 x[4], w[4], u[4], near = _mm256_setzero_ps();
+        for (int c = 0; c < 4; c++) {
+            x[c] = _mm256_loadu_ps(v + j + 8 * c);
+            const __m256 t = _mm256_mul_ps(x[c], vy);
+            if (!sr) {  /* nearest: |t - round(t)| close to 0.5 */
+                w[c] = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                near = _mm256_or_ps(near, _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(t, w[c]), absm), edge, _CMP_GE_OQ));
+            } else {  /* stochastic: t + u - floor(t + u) close to 0 or 1 */
+                u[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(ts_mix8(_mm256_xor_si256(key, jg)), 8)),
+                                     _mm256_set1_ps(0x1p-24f));
+                jg = _mm256_add_epi32(jg, gold8);
+                const __m256 y = _mm256_add_ps(t, u[c]);
+                w[c] = _mm256_floor_ps(y);
+                const __m256 d = _mm256_and_ps(_mm256_sub_ps(_mm256_sub_ps(y, w[c]), half), absm);
+                near = _mm256_or_ps(near, _mm256_cmp_ps(d, edge, _CMP_GE_OQ));
+            }
+        }
+        if (_mm256_movemask_ps(near))  /* rare: the exact quotients */
+            for (int c = 0; c < 4; c++)
+                w[c] = sr ? _mm256_floor_ps(_mm256_add_ps(_mm256_div_ps(x[c], vs), u[c]))
+                          : _mm256_round_ps(_mm256_div_ps(x[c], vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        /* |q| <= qmax + 1 fits a byte; nearest: |q| <= qmax already (see quant_block_x), stochastic: clamped here */
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(_mm256_cvttps_epi32(w[0]), _mm256_cvttps_epi32(w[1])),
+                                       _mm256_packs_epi32(_mm256_cvttps_epi32(w[2]), _mm256_cvttps_epi32(w[3])));
+        if (sr) p = _mm256_min_epi8(_mm256_max_epi8(p, lo), hi);
+        p = _mm256_add_epi8(p, vo);
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i*)(q + j), p);
+    }
+    return j;
+}
+#endif
+/* Block of m fp32 values (rotated already) whose largest |value| has the bits ab: its scale, and q + off as bytes
+   into q. Stochastic rounding draws u from the block's key bkey and each value's offset j. */
+static float quant_block_x(const float* restrict v, int64_t m, uint32_t ab, int bits, int sr, uint32_t bkey,
+                           uint8_t* restrict q) {
+    const int32_t qmax = bits == 8 ? 127 : 7, off = bits == 8 ? 0 : 8;
+    float amax; memcpy(&amax, &ab, 4);
+    const float scale = ab >= 0x7f800000u ? NAN : amax / (float)qmax;
     if (!(scale > 0.f)) { memset(q, off, (size_t)m); return scale; }
+    int64_t j0 = 0;
+#if defined(__AVX2__)
+    if (scale >= 0x1p-126f) j0 = quant_fast_x(v, m, scale, bits, sr, bkey, q);
+#endif
     if (!sr) {
         if (scale >= 0x1p-126f) {  /* a normal scale: |v / scale| <= qmax (1 + 2**-23) rounds to at most qmax */
-            for (int64_t j = 0; j < m; j++) q[j] = (uint8_t)((int32_t)rintf(v[j] / scale) + off);
+            for (int64_t j = j0; j < m; j++) q[j] = (uint8_t)((int32_t)rintf(v[j] / scale) + off);
         } else for (int64_t j = 0; j < m; j++) q[j] = quant1(v[j], scale, qmax, off);
         return scale;
     }
-    for (int64_t j = 0; j < m; j++) {  /* floor by truncation and a correction: vectorizes, same value */
-        const float u = (float)(int32_t)(ts_mix(bkey ^ ((uint32_t)j * 0x9E3779B9u)) >> 8) * 0x1p-24f;
+    const uint32_t mu = (uint32_t)m;
+    for (uint32_t j = (uint32_t)j0; j < mu; j++) {  /* a 32-bit counter, so the hash vectorizes */
+        const float u = (float)(int32_t)(ts_mix(bkey ^ (j * 0x9E3779B9u)) >> 8) * 0x1p-24f;
         const float t = v[j] / scale + u;
-        int32_t r = (int32_t)t;
+        int32_t r = (int32_t)t;  /* floor by truncation and a correction: vectorizes without SSE4.1 too */
         r -= (float)r > t;
         r = r > qmax ? qmax : r; r = r < -qmax ? -qmax : r;
         q[j] = (uint8_t)(r + off);
@@ -918,9 +1122,9 @@ int ts_encode_x(const void* x, int dt, int64_t n, int64_t k, const int64_t* orde
         const uint32_t rkey = ts_row_key(seed, i);
         for (int64_t J = J0; J < J1; J++) {
             block_at(bs, nbr, U, block, n, J, &s, &m);
-            load_f32(xc + s * es, dt, m, v);
-            if (rotate) rotate_block(v, m);
-            const float scale = quant_block_x(v, m, bits, sr, ts_mix(rkey ^ (uint32_t)J),
+            const float* src;
+            const uint32_t ab = load_block_x(xc + s * es, dt, m, rotate, v, &src);
+            const float scale = quant_block_x(src, m, ab, bits, sr, ts_mix(rkey ^ (uint32_t)J),
                                               bits == 8 ? prow + s : qs + (s - s0));
             memcpy(sc + i * sstride + 4 * J, &scale, 4);
         }
@@ -933,32 +1137,47 @@ int ts_encode_x(const void* x, int dt, int64_t n, int64_t k, const int64_t* orde
     }
     return failed ? -4 : 0;
 }
-static void store_f32(const float* restrict v, int64_t m, char* o, int dt, int add) {
-    if (add) { float* of = (float*)o; for (int64_t i = 0; i < m; i++) of[i] += v[i]; }
-    else if (dt == DT_F32) memcpy(o, v, (size_t)(4 * m));
-    else if (dt == DT_BF16) { uint16_t* oh = (uint16_t*)o; for (int64_t i = 0; i < m; i++) oh[i] = f32_to_bf16(v[i]); }
-#if TS_HAVE_F16
-    else { uint16_t* oh = (uint16_t*)o; for (int64_t i = 0; i < m; i++) oh[i] = f32_to_f16(v[i]); }
-#endif
-}
-/* Decode one block: dequantize into v, rotate back (rotate), store or add. */
+/* Decode one block: dequantize, rotate back (rotate) and store or add; whole groups in registers, the rest in v. */
 static void decode_block_x(const uint8_t* prow, const uint8_t* scrow, int64_t J, int64_t s, int64_t m, int bits,
                            int rotate, float* restrict v, char* o, int dt, int add) {
     const float scale = load_scale(scrow, J);
-    if (bits == 8) { for (int64_t j = 0; j < m; j++) v[j] = (float)(int8_t)prow[s + j] * scale; }
-    else if (!(s & 1)) {  /* an even start: two values a byte */
-        const uint8_t* p = prow + s / 2;
-        for (int64_t j = 0; j < m / 2; j++) {
-            v[2 * j] = (float)((int32_t)(p[j] & 15u) - 8) * scale;
-            v[2 * j + 1] = (float)((int32_t)(p[j] >> 4) - 8) * scale;
+    const int64_t es = add || dt == DT_F32 ? 4 : 2;
+    char* ob = o + s * es;
+    int64_t g = 0;
+    if (rotate) {
+#ifdef TS_VEC
+        const ts_v8f vs = {scale, scale, scale, scale, scale, scale, scale, scale};
+        for (; g + 32 <= m; g += 32) {
+            ts_v8f r[4];
+#if defined(__AVX2__)
+            if (bits == 4 && !((s + g) & 1)) {  /* 16 bytes: low nibbles are the even values, high the odd ones */
+                const __m128i b = _mm_loadu_si128((const __m128i*)(prow + (s + g) / 2)), m4 = _mm_set1_epi8(15);
+                const __m128i lo = _mm_and_si128(b, m4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+                const __m128i e8 = _mm_set1_epi8(8);
+                const __m128i v0 = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), e8);
+                const __m128i v1 = _mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), e8);
+                r[0] = (ts_v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0)) * vs;
+                r[1] = (ts_v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8))) * vs;
+                r[2] = (ts_v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1)) * vs;
+                r[3] = (ts_v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8))) * vs;
+            } else
+#endif
+            for (int R = 0; R < 4; R++) r[R] = dq8(prow, s + g + 8 * R, bits, vs);
+            fwht_v(r);
+            for (int R = 0; R < 4; R++) st8(r[R], ob, dt, g + 8 * R, add);
         }
-        if (m & 1) v[m - 1] = (float)((int32_t)(p[m / 2] & 15u) - 8) * scale;
-    } else for (int64_t j = 0; j < m; j++) {
-        const int64_t p = s + j;
-        v[j] = (float)((int32_t)((prow[p >> 1] >> (4 * (p & 1))) & 15u) - 8) * scale;
+#else
+        for (; g + 32 <= m; g += 32) {
+            dq_values(prow, s + g, 32, bits, scale, v);
+            fwht32(v);
+            store_f32(v, 32, ob + g * es, dt, add);
+        }
+#endif
     }
-    if (rotate) rotate_block(v, m);
-    store_f32(v, m, o + s * (add || dt == DT_F32 ? 4 : 2), dt, add);
+    if (g < m) {
+        dq_values(prow, s + g, m - g, bits, scale, v);
+        store_f32(v, m - g, ob + g * es, dt, add);
+    }
 }
 int ts_decode_x(const uint8_t* pay, int64_t pstride, const uint8_t* sc, int64_t sstride, int64_t k, int64_t n,
                 const int64_t* bs, int64_t nbr, int64_t U, int64_t block, int bits, int rotate, void* out, int dt,
