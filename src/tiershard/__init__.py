@@ -27,7 +27,8 @@ _moved.install()
 
 
 def _auto_plan(*args, **kwargs) -> Plan:
-    """The fastest plan that fits in memory, as predicted by the cost model: ``tiershard.cost.auto_plan``."""
+    """The fastest exact plan that fits in memory (lossy ones too with ``allow_lossy=True``), as the cost model
+    predicts: ``tiershard.cost.auto_plan``."""
     from .cost import auto_plan
 
     return auto_plan(*args, **kwargs)
