@@ -7,7 +7,7 @@ import inspect
 import logging
 import types
 from collections import Counter
-from typing import Iterator, Mapping
+from typing import Callable, Collection, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -170,7 +170,7 @@ def _guard_load_state_dict(model: nn.Module) -> None:
         if errors:
             raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__} (nothing was loaded):"
                                "\n\t" + "\n\t".join(errors))
-        _write_full(model, engine, layouts, state_dict)
+        _write_full(model, engine, layouts, state_dict.keys(), _local_value(state_dict))
         return _IncompatibleKeys(missing, unexpected)
 
     model.load_state_dict = load_state_dict
@@ -439,7 +439,7 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], st
     if broadcast_from_rank0:
         _broadcast_full(model, engine, layouts, state)
     else:
-        _write_full(model, engine, layouts, state)
+        _write_full(model, engine, layouts, state.keys(), _local_value(state))
 
 
 def _full_state_problem(model: nn.Module, layouts: list, state: Mapping[str, torch.Tensor],
@@ -454,7 +454,6 @@ def _full_state_problem(model: nn.Module, layouts: list, state: Mapping[str, tor
     return None
 
 
-@torch.no_grad()
 def _broadcast_full(model: nn.Module, engine: Engine, layouts: list, state: Mapping[str, torch.Tensor]) -> None:
     """``_write_full`` from rank 0's ``state``: one broadcast per tensor on the control group, each rank cutting
     its shard before the next arrives."""
@@ -464,27 +463,13 @@ def _broadcast_full(model: nn.Module, engine: Engine, layouts: list, state: Mapp
     control = topology.control_group
     box = [sorted(state.keys()) if rank0 else None]     # which names rank 0 has (all of them when strict)
     dist.broadcast_object_list(box, src=0, group=control.pg)
-    present = set(box[0])
-    touched: list[FlatGroup] = []
-    for group, index, layout in layouts:
-        name = next((n for n in layout.names if n in present), None)
-        if name is None:
-            continue
-        full = state[name].to(device=engine.device, dtype=torch.float32) if rank0 else \
-            torch.empty(layout.shape, dtype=torch.float32, device=engine.device)
+
+    def value(name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        full = state[name].to(device=device, dtype=dtype) if rank0 else torch.empty(shape, dtype=dtype, device=device)
         C.broadcast(full, 0, control, topology, "state_dict")
-        group.load_full(index, full)
-        del full
-        _loaded(model, group=group, index=index)
-        if group not in touched:
-            touched.append(group)
-    for group in touched:
-        group.sync_params()
-    for name, buf in _persistent_buffers(model):
-        if name in present:
-            value = state[name].to(device=buf.device, dtype=buf.dtype) if rank0 else torch.empty_like(buf)
-            C.broadcast(value, 0, control, topology, "state_dict")
-            buf.copy_(value)
+        return full
+
+    _write_full(model, engine, layouts, set(box[0]), value)
 
 
 def _key_mismatch(model: nn.Module, layouts: list, state: Mapping[str, torch.Tensor]) -> tuple[list, list]:
@@ -504,20 +489,29 @@ def _shape_mismatch(model: nn.Module, layouts: list, state: Mapping[str, torch.T
 
 
 @torch.no_grad()
-def _write_full(model: nn.Module, engine: Engine, layouts: list, state: Mapping[str, torch.Tensor]) -> None:
+def _write_full(model: nn.Module, engine: Engine, layouts: list, names: Collection[str],
+                value: Callable[[str, tuple, torch.dtype, torch.device], torch.Tensor]) -> None:
+    """Write the entries ``names`` of a full state dict into the model, parameter by parameter (each cut into its
+    shard before the next is fetched), then the persistent buffers; ``value(name, shape, dtype, device)`` fetches
+    one entry in that dtype and on that device."""
     touched: list[FlatGroup] = []
     for group, index, layout in layouts:
-        name = next((n for n in layout.names if n in state), None)
+        name = next((n for n in layout.names if n in names), None)
         if name is not None:
-            group.load_full(index, state[name].to(device=engine.device, dtype=torch.float32))
+            group.load_full(index, value(name, layout.shape, torch.float32, engine.device))
             _loaded(model, group=group, index=index)
             if group not in touched:
                 touched.append(group)
     for group in touched:
         group.sync_params()
     for name, buf in _persistent_buffers(model):
-        if name in state:
-            buf.copy_(state[name])
+        if name in names:
+            buf.copy_(value(name, buf.shape, buf.dtype, buf.device))
+
+
+def _local_value(state: Mapping[str, torch.Tensor]):
+    """``_write_full``'s fetch from a state dict this rank holds."""
+    return lambda name, shape, dtype, device: state[name].to(device=device, dtype=dtype)
 
 
 def _loaded(model: nn.Module, group: FlatGroup | None = None, index: int = 0, names=()) -> None:
