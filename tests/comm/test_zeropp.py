@@ -286,6 +286,14 @@ def _qwd_checks(rank, world):
     with torch.no_grad():
         model(x)
     after_write = max((r - m).abs().max().item() for r, m in (own(g) for g in groups))
+    loss_fn(model, data[1][rank * 4:(rank + 1) * 4], 1).backward()
+    for p in model.parameters():
+        p.data.mul_(0.5)                                  # a write, then a step before any forward: still exact
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        model(x)
+    after_write = max(after_write, error())
     return errors, moves, losses, ledger, bands, cross_ranks, after_write
 
 

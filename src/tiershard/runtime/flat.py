@@ -362,8 +362,8 @@ class FlatGroup:
         reference band stays; any other write (a load, ``.data``, an in-place edit) drops it and the next gather
         is exact."""
         self.stream.drain()
-        if not step:
-            self.reference = None
+        if not step or any(m.__dict__.get("_tiershard_touched", False) for m in self.masters):
+            self.reference = None          # a .data taken since the last sync is a write, even if a step followed
         if self._gathering is not None:        # dropped unused: the drained stream no longer holds it either
             self._gathering = None
             self._gauge_add(buffers=-self.matrix_bytes)
