@@ -4,6 +4,7 @@ against an unsharded reference, a mismatched topology refused at ts.shard, and, 
 link counters around one world all_reduce. Prints one JSON line."""
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -37,6 +38,8 @@ def link_bytes(reads_uplink: bool) -> dict:
 
 
 def main(plan: str) -> dict:
+    if os.environ.get("SHARD_JOB_WATCHDOG_S"):      # a hung rank prints where it hangs and exits, so a test says why
+        faulthandler.dump_traceback_later(float(os.environ["SHARD_JOB_WATCHDOG_S"]), exit=True)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -403,6 +403,34 @@ def test_real_three_tier_cluster_counts_each_tier_and_shards(netns):
             assert end[tier][node]["tx"] - start[tier][node]["tx"] >= expected[tier]
 
 
+def _communicate_all(procs: list, timeout: float) -> list[tuple]:
+    """(returncode, stdout, stderr) of every process, read at once: when one fails or `timeout` passes the rest are
+    killed (torchrun's exit barrier would keep a finished agent waiting minutes for a failed peer) and their
+    returncode is None, so a failure names every agent's story instead of a timeout on the first."""
+    import threading
+    import time
+    outs = [("", "")] * len(procs)
+
+    def read(i: int) -> None:
+        outs[i] = procs[i].communicate()
+
+    threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(procs))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        if any(p.returncode not in (None, 0) for p in procs):
+            break
+        time.sleep(0.2)
+    killed = [p.poll() is None for p in procs]
+    for proc, kill in zip(procs, killed):
+        if kill:
+            proc.kill()
+    for t in threads:
+        t.join(10)
+    return [(None if k else p.returncode, *o) for p, k, o in zip(procs, killed, outs)]
+
+
 def test_real_torchrun_multi_node_recipe(netns):
     """docs/launchers.md's multi-node torchrun recipe, one torchrun per emulated node (c10d rendezvous at node
     0's address): ts.shard with Topology.from_env() matches an unsharded step."""
@@ -417,18 +445,14 @@ def test_real_torchrun_multi_node_recipe(netns):
                     "--rdzv-backend=c10d", f"--rdzv-endpoint={cluster.node_address(0)}:{port}", "--rdzv-id=t",
                     f"--local-addr={cluster.node_address(node)}", f"--rdzv-conf=is_host={int(node == 0)}", job,
                     "IIG"]
-            env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO",
+                   "SHARD_JOB_WATCHDOG_S": "120"}
             procs.append(subprocess.Popen(cluster.node_command(node, argv), env=env, text=True,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-        outputs = []
-        for proc in procs:
-            try:
-                stdout, stderr = proc.communicate(timeout=180)
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-            assert proc.returncode == 0, stderr[-3000:]
-            outputs += [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+        results = _communicate_all(procs, timeout=240)
+    for node, (code, stdout, stderr) in enumerate(results):    # every agent's story when one fails or hangs
+        assert code == 0, "\n\n".join(f"node {n} exit {c}:\n{e[-2500:]}" for n, (c, _, e) in enumerate(results))
+    outputs = [json.loads(line) for _, stdout, _ in results for line in stdout.splitlines() if line.startswith("{")]
     assert _ts_namespaces() == before
     assert sorted(o["rank"] for o in outputs) == [0, 1, 2, 3]
     for o in outputs:
