@@ -26,7 +26,7 @@ import tiershard as ts
 from _dist import run_ranks
 from _models import Block, TinyGPT, batches, loss_fn
 
-STEPS, MICRO, PER_RANK = 3, 2, 2
+STEPS, MICRO, PER_RANK = 2, 2, 2      # the second step uses the first's momentum and Adam moments
 
 
 def make_opt(params, name):
@@ -103,15 +103,16 @@ def train_sharded(rank, world, plan, topo, opt_name, param_dtype=None, measure=F
     return result
 
 
-def sweep(rank, world, sizes, codes, bf16_codes):
+def sweep(rank, world, sizes, codes, bf16_codes, optimizers=("sgd", "adamw")):
+    """Every code under every optimizer (quantized codes under the last only); the last one's step is measured."""
     import tiershard as ts
 
     topo = ts.Topology(sizes)
-    refs = {name: reference(world, name) for name in ("sgd", "adamw")}
+    refs = {name: reference(world, name) for name in optimizers}
     out, zero3 = {}, {}
     for code in codes:
-        for opt_name in ("adamw",) if _quantized(code) else ("sgd", "adamw"):
-            res = train_sharded(rank, world, code, topo, opt_name, measure=opt_name == "adamw")
+        for opt_name in optimizers[-1:] if _quantized(code) else optimizers:
+            res = train_sharded(rank, world, code, topo, opt_name, measure=opt_name == optimizers[-1])
             ref, state = refs[opt_name], res.pop("state")
             if code == "GGG":
                 zero3[opt_name] = state
@@ -146,32 +147,33 @@ def predicted_by_cost_model(code, sizes):
     return cost.evaluate(code, spec, cluster, Job(accum=MICRO, param_bytes=4, reduce_bytes=4)).tier_bytes
 
 
-def check(results, codes, bf16_codes, sizes):
+def check(results, codes, bf16_codes, sizes, optimizers=("sgd", "adamw")):
     failures = []
+    measured_opt = optimizers[-1]
     for code in codes:
         measured = {}
         for res in results:
-            for tier, b in res[(code, "adamw")]["stats"]["tiers"].items():
+            for tier, b in res[(code, measured_opt)]["stats"]["tiers"].items():
                 measured[tier] = measured.get(tier, 0) + b
         predicted = {t: b for t, b in predicted_by_cost_model(code, sizes).items() if b}
         if measured != predicted:
             failures.append(f"{code}: all ranks sent {measured}, the cost model predicts {predicted}")
     for rank, res in enumerate(results):
         for code in codes:
-            adam = res[(code, "adamw")]
-            if adam["stats"] != adam["predicted"]:
-                failures.append(f"{code} rank {rank}: comm_stats {adam['stats']} != formula {adam['predicted']}")
+            last = res[(code, measured_opt)]
+            if last["stats"] != last["predicted"]:
+                failures.append(f"{code} rank {rank}: comm_stats {last['stats']} != formula {last['predicted']}")
             if _quantized(code):
                 continue
-            sgd = res[(code, "sgd")]
-            if sgd["per_tensor"] > 1e-5:
+            sgd, adam = res.get((code, "sgd")), res.get((code, "adamw"))
+            if sgd and sgd["per_tensor"] > 1e-5:
                 failures.append(f"{code} SGD rank {rank}: {sgd['per_tensor']:.2e}")
-            if adam["rel_l2"] > 1e-3:
+            if adam and adam["rel_l2"] > 1e-3:
                 failures.append(f"{code} AdamW rank {rank}: {adam['rel_l2']:.2e}")
             for r in (sgd, adam):
-                if r.get("vs_zero3", 0) > 1e-6:
+                if r and r.get("vs_zero3", 0) > 1e-6:
                     failures.append(f"{code} rank {rank}: {r['vs_zero3']:.2e} away from ZeRO-3")
-            measured, formula = adam["memory"]
+            measured, formula = last["memory"]
             if measured != formula:
                 failures.append(f"{code} rank {rank}: memory {measured} != formula {formula}")
         for code in bf16_codes:
@@ -191,16 +193,20 @@ def test_all_plans_on_2_nodes_of_2():
     check(run_ranks(sweep, 4, (2, 4), codes, bf16), codes, bf16, (2, 4))
 
 
+# On 8 ranks SGD alone (its bound is the tighter, and its one state still shows a mis-sharded optimizer state);
+# AdamW's two states and bf16 are swept on 4.
+
+
 def test_all_plans_on_4_nodes_of_2():
     codes = ALL + ["zero++"]
-    check(run_ranks(sweep, 8, (2, 8), codes, []), codes, [], (2, 8))
+    check(run_ranks(sweep, 8, (2, 8), codes, [], ("sgd",)), codes, [], (2, 8), ("sgd",))
 
 
 def test_all_plans_on_pairs_nodes_world():
     codes = ALL + ["p=pair,g=pair,os=world", "p=pair,g=node,os=world", "p=N,g=pair,os=node",
                    "p=world,g=pair,os=N", "GGG+hpz=pair/node", "GGG+hpz=pair", "p=node,g=G,os=G+hpz=pair",
                    "GGG+hpz=pair/node+qwz+qgz", "p=node,g=pair,os=world+qgz", "GGG+cc", "p=N,g=pair,os=world+cc"]
-    check(run_ranks(sweep, 8, (2, 4, 8), codes, []), codes, [], (2, 4, 8))
+    check(run_ranks(sweep, 8, (2, 4, 8), codes, [], ("sgd",)), codes, [], (2, 4, 8), ("sgd",))
 
 
 def _boundary_precision(rank, world, plans):
