@@ -98,42 +98,50 @@ def job(scenario: str, folder: str) -> None:
 def run_scenario(cluster, scenario: str, timeout: float, folder: str) -> dict:
     """Run ``scenario`` on every rank; returns per rank its result, exit code and exit time (wall clock), and the
     time the victim died."""
+    return run_scenarios(cluster, [scenario], timeout, folder)[scenario]
+
+
+def run_scenarios(cluster, scenarios: list[str], timeout: float, folder: str) -> dict[str, dict]:
+    """``run_scenario`` for several scenarios at once, each its own job on its own port: the survivors spend the
+    bound waiting, so jobs run side by side take the time of one."""
     import random
 
     from tiershard.cluster.emulated import rank_env
 
-    port = random.randrange(20000, 30000)
-    procs, logs = [], []
-    for rank in range(cluster.world_size):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TIERSHARD_COLLECTIVE_TIMEOUT": str(timeout),
-               **rank_env(rank, cluster.nodes, cluster.ranks_per_node, port)}
-        out = open(Path(folder) / f"{scenario}-rank{rank}.log", "w+")
-        logs.append(out)
-        argv = [sys.executable, str(HERE), "job", scenario, folder]
-        procs.append(subprocess.Popen(cluster.node_command(rank // cluster.ranks_per_node, argv), env=env,
-                                      stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+    ports = random.sample(range(20000, 30000), len(scenarios))
+    jobs = []                                   # (scenario, rank, process, log)
+    for scenario, port in zip(scenarios, ports):
+        for rank in range(cluster.world_size):
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "TIERSHARD_COLLECTIVE_TIMEOUT": str(timeout),
+                   **rank_env(rank, cluster.nodes, cluster.ranks_per_node, port)}
+            out = open(Path(folder) / f"{scenario}-rank{rank}.log", "w+")
+            argv = [sys.executable, str(HERE), "job", scenario, folder]
+            proc = subprocess.Popen(cluster.node_command(rank // cluster.ranks_per_node, argv), env=env,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            jobs.append((scenario, rank, proc, out))
     ended: dict[int, float] = {}
     deadline = time.time() + timeout + 120
-    while len(ended) < len(procs) and time.time() < deadline:
-        for rank, proc in enumerate(procs):
-            if rank not in ended and proc.poll() is not None:
-                ended[rank] = time.time()
+    while len(ended) < len(jobs) and time.time() < deadline:
+        for i, (_, _, proc, _) in enumerate(jobs):
+            if i not in ended and proc.poll() is not None:
+                ended[i] = time.time()
         time.sleep(0.02)
-    for proc in procs:
+    for _, _, proc, _ in jobs:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    ranks, killed = {}, None
-    for rank, (proc, out) in enumerate(zip(procs, logs)):
+    runs = {scenario: {"ranks": {}, "killed": None} for scenario in scenarios}
+    for i, (scenario, rank, proc, out) in enumerate(jobs):
         out.seek(0)
         text = out.read()
         out.close()
         result = next((json.loads(line[7:]) for line in text.splitlines() if line.startswith("RESULT ")), None)
         for line in text.splitlines():
             if line.startswith("KILLED "):
-                killed = float(line[7:])
-        ranks[rank] = {"result": result, "code": proc.returncode, "ended": ended.get(rank), "log": text[-3000:]}
-    return {"ranks": ranks, "killed": killed}
+                runs[scenario]["killed"] = float(line[7:])
+        runs[scenario]["ranks"][rank] = {"result": result, "code": proc.returncode, "ended": ended.get(i),
+                                         "log": text[-3000:]}
+    return runs
 
 
 def _report(scenario: str, run: dict) -> None:
@@ -163,11 +171,17 @@ def cluster():
 
 
 BOUND = 5.0
+SCENARIOS = ["all_gather", "reduce_scatter"]
 
 
-@pytest.mark.parametrize("scenario", ["all_gather", "reduce_scatter"])
-def test_a_killed_rank_ends_every_survivor_with_its_name(cluster, tmp_path, scenario):
-    run = run_scenario(cluster, scenario, BOUND, str(tmp_path))
+@pytest.fixture(scope="module")
+def runs(cluster, tmp_path_factory) -> dict[str, dict]:
+    return run_scenarios(cluster, SCENARIOS, BOUND, str(tmp_path_factory.mktemp("fail-fast")))
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_a_killed_rank_ends_every_survivor_with_its_name(runs, scenario):
+    run = runs[scenario]
     ranks = run["ranks"]
     assert ranks[VICTIM]["code"] == -signal.SIGKILL and run["killed"], ranks[VICTIM]["log"]
     expected_op = "param_gather" if scenario == "all_gather" else "grad_reduce"
