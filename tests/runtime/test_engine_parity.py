@@ -6,6 +6,8 @@ stays fast. Oracles:
   relative (max abs difference over max abs value) of single-process training on the concatenated batch.
 - AdamW: relative L2 error over all parameters within 1e-3. Adam turns round-off in exactly-zero gradients
   (the key bias of attention has one) into lr-sized steps, so a per-tensor bound would test round-off.
+- Overlap never changes results: on 4 ranks every AdamW run prefetches 2 units (reductions behind backward) and
+  must be bit-identical to the synchronous schedule (prefetch 0) and move the same bytes; SGD runs at the default.
 - hpZ without quantization: parameters equal plain ZeRO-3's (GGG) within 1e-6; ``+cc`` plans (one phase per
   tier) are held to the same bounds as the flat ones.
 - ``comm_stats`` over one optimizer step equals ``traffic.rank_traffic`` of the plan, exactly, on every tier
@@ -47,13 +49,13 @@ def reference(world, opt_name):
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def train_sharded(rank, world, plan, topo, opt_name, param_dtype=None, measure=False):
+def train_sharded(rank, world, plan, topo, opt_name, param_dtype=None, measure=False, prefetch=1):
     import tiershard as ts
     from tiershard.cost import traffic
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     torch.manual_seed(0)
-    model = ts.shard(TinyGPT(), plan, topo, wrap={Block}, param_dtype=param_dtype)
+    model = ts.shard(TinyGPT(), plan, topo, wrap={Block}, param_dtype=param_dtype, prefetch=prefetch)
     opt = make_opt(model.parameters(), opt_name)
     losses, stats, predicted = [], None, None
     for s, step in enumerate(batches(1, STEPS, MICRO, world, PER_RANK)):
@@ -103,8 +105,9 @@ def train_sharded(rank, world, plan, topo, opt_name, param_dtype=None, measure=F
     return result
 
 
-def sweep(rank, world, sizes, codes, bf16_codes, optimizers=("sgd", "adamw")):
-    """Every code under every optimizer (quantized codes under the last only); the last one's step is measured."""
+def sweep(rank, world, sizes, codes, bf16_codes, optimizers=("sgd", "adamw"), overlap=False):
+    """Every code under every optimizer (quantized codes under the last only); the last one's step is measured.
+    With ``overlap`` the last optimizer's run prefetches 2 units and is run again synchronously (prefetch 0)."""
     import tiershard as ts
 
     topo = ts.Topology(sizes)
@@ -112,8 +115,13 @@ def sweep(rank, world, sizes, codes, bf16_codes, optimizers=("sgd", "adamw")):
     out, zero3 = {}, {}
     for code in codes:
         for opt_name in optimizers[-1:] if _quantized(code) else optimizers:
-            res = train_sharded(rank, world, code, topo, opt_name, measure=opt_name == optimizers[-1])
+            last = opt_name == optimizers[-1]
+            res = train_sharded(rank, world, code, topo, opt_name, measure=last, prefetch=2 if overlap else 1)
             ref, state = refs[opt_name], res.pop("state")
+            if overlap and last:
+                sync = train_sharded(rank, world, code, topo, opt_name, measure=True, prefetch=0)
+                res["overlap"] = (all(torch.equal(state[k], sync["state"][k]) for k in state),
+                                  sync["stats"] == res["stats"])
             if code == "GGG":
                 zero3[opt_name] = state
             if code.startswith("GGG+hpz"):
@@ -161,6 +169,8 @@ def check(results, codes, bf16_codes, sizes, optimizers=("sgd", "adamw")):
     for rank, res in enumerate(results):
         for code in codes:
             last = res[(code, measured_opt)]
+            if last.get("overlap", (True, True)) != (True, True):
+                failures.append(f"{code} rank {rank}: prefetch 2 vs 0 (bit-identical, same bytes) {last['overlap']}")
             if last["stats"] != last["predicted"]:
                 failures.append(f"{code} rank {rank}: comm_stats {last['stats']} != formula {last['predicted']}")
             if _quantized(code):
@@ -190,7 +200,7 @@ def test_all_plans_on_2_nodes_of_2():
     bf16 = ["GGG", "IIG", "NNN"]
     codes = ALL + ["GGG+hpz", "GGG+cc", "NNN+cc", "NIG+cc", "GGN+cc",
                    "zero++", "GGG+qwz", "IIG+qgz", "NIG+qgz=int4+ef", "III+qwz+qgz", "GGG+qwz+cc"]
-    check(run_ranks(sweep, 4, (2, 4), codes, bf16), codes, bf16, (2, 4))
+    check(run_ranks(sweep, 4, (2, 4), codes, bf16, ("sgd", "adamw"), True), codes, bf16, (2, 4))
 
 
 # On 8 ranks SGD alone (its bound is the tighter, and its one state still shows a mis-sharded optimizer state);
