@@ -138,15 +138,12 @@ def _train_losses(out: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
 
 
-def test_train_four_ranks_two_nodes_learns_and_repeats(tmp_path):
+def test_train_four_ranks_two_nodes_learns(tmp_path):
+    """(Same seed, same losses bit for bit: tests/checkpoint/test_resume.py compares whole runs' logs.)"""
     tiny = str(ROOT / "configs" / "tiny.toml")
-    runs = []
-    for name in ("a", "b"):
-        out = tmp_path / name
-        proc = _tiershard("--config", tiny, "--steps", "24", "--out", str(out), cwd=tmp_path)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        runs.append((out, proc))
-    out, proc = runs[0]
+    out = tmp_path / "a"
+    proc = _tiershard("--config", tiny, "--steps", "24", "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
     records = read_metrics(out / "metrics.jsonl")
     train = [r for r in records if r["kind"] == "train"]
@@ -169,8 +166,6 @@ def test_train_four_ranks_two_nodes_learns_and_repeats(tmp_path):
     assert tomllib.loads((out / "config.toml").read_text())["model"]["preset"] == "tiny"
     assert "validation loss" in proc.stdout and str(out / "train.png") in proc.stdout
     assert "Traceback" not in proc.stderr
-
-    assert _train_losses(runs[1][0]) == losses  # same seed, same losses, bit for bit
 
 
 def test_train_bf16_with_accumulation(tmp_path):
