@@ -115,27 +115,23 @@ def load_run(rank, world, root, opt_name, plan, sizes):
     return out
 
 
-TARGETS = [("zero3", (1, 2), 2, ("adamw", "sgd")), ("NIG+qgz", (2, 8), 8, ("adamw",))]
+OPTIMIZERS = ("adamw", "sgd")
+TARGETS = [("zero3", (1, 2), 2, OPTIMIZERS), ("NIG+qgz", (2, 8), 8, ("adamw",))]
 
 
-def each_optimizer(run, opt_names):
-    """``run(rank, world, root / opt_name, opt_name, ...)`` for every optimizer in one launch of the ranks."""
-    def launched(rank, world, root, *args):
-        return {name: run(rank, world, str(Path(root) / name), name, *args) for name in opt_names}
-    return launched
-
-
-def save_both(rank, world, root):
-    return each_optimizer(save_run, ("adamw", "sgd"))(rank, world, root)
+def save_each(rank, world, root):
+    """``save_run`` for every optimizer, each into its own folder, in one launch of the ranks."""
+    return {name: save_run(rank, world, str(Path(root) / name), name) for name in OPTIMIZERS}
 
 
 def load_each(rank, world, root, opt_names, plan, sizes):
-    return each_optimizer(load_run, opt_names)(rank, world, root, plan, sizes)
+    """``load_run`` for each of ``opt_names`` from its folder, in one launch of the ranks."""
+    return {name: load_run(rank, world, str(Path(root) / name), name, plan, sizes) for name in opt_names}
 
 
 def test_save_on_4_ranks_load_on_2_and_8_under_other_plans(tmp_path):
-    run_ranks(save_both, 4, str(tmp_path))
-    for opt_name in ("adamw", "sgd"):
+    run_ranks(save_each, 4, str(tmp_path))
+    for opt_name in OPTIMIZERS:
         assert (tmp_path / opt_name / "latest").read_text().strip() == "step_2"
     for plan, sizes, world, opt_names in TARGETS:
         for rank, by_opt in enumerate(run_ranks(load_each, world, str(tmp_path), opt_names, plan, sizes)):
