@@ -1,13 +1,16 @@
 """``ts.save(..., async_save=True)`` against the synchronous save, in one launch of 4 ranks (2 nodes of 2, IIG).
 
-An asynchronous save, then two training steps, then the wait, must hold exactly (bitwise) what a synchronous save
-at the same point holds: the staging copy is taken before the call returns. A second save waits for the first.
-A save whose write fails on one rank raises ``CheckpointError`` on every rank from its handle and leaves the
-previous checkpoint and ``latest`` as they were, loadable to the same bits. In the same launch,
-``ts.load_full_state_dict(..., broadcast_from_rank0=True)`` from rank 0's state dict alone restores every rank.
+An asynchronous save, then two training steps, then the wait, must hold exactly (bitwise) what a synchronous save at
+the same point holds: the staging copy, taken in the background, is waited for by the optimizer's step (checked with
+the copy held back until the step waits), as is taking a parameter's ``.data``, and an in-place write it cannot see
+coming fails the save. A second save waits for the first. A save whose write fails on one rank raises
+``CheckpointError`` on every rank from its handle and leaves the previous checkpoint and ``latest`` as they were,
+loadable to the same bits. In the same launch, ``ts.load_full_state_dict(..., broadcast_from_rank0=True)`` from rank
+0's state dict alone restores every rank.
 """
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -122,6 +125,48 @@ def async_run(rank, world, root):
     out["broadcast_loaded"] = _same(ts.full_state_dict(model), full)
     with torch.no_grad():
         out["same_logits"] = torch.equal(model(probe), logits)
+
+    # the copy is taken in the background; held back here until released, so the orders below are certain
+    from torch.distributed.checkpoint.staging import DefaultStager
+    gate, stage = threading.Event(), DefaultStager._stage
+
+    def held(self, *args, **kwargs):
+        gate.wait(60)
+        return stage(self, *args, **kwargs)
+
+    DefaultStager._stage = held
+    try:
+        # the optimizer's step waits for the copy: the checkpoint holds the state before the step
+        before_step = _local_state(model, opt)
+        waited = ts.save(root / "held" / "step_5", model, opt, async_save=True)
+        threading.Timer(0.5, gate.set).start()   # released while the step below waits
+        train(4)
+        out["step_waited"] = str(waited.result())
+        # an in-place write the engine cannot see coming, made while the copy is held back, fails the save
+        gate.clear()
+        torn = ts.save(root / "held" / "step_6", model, opt, async_save=True)
+        with torch.no_grad():
+            next(model.parameters()).mul_(0.5)
+        gate.set()
+        try:
+            torn.result()
+            out["torn"] = None
+        except ts.CheckpointError as err:
+            out["torn"] = str(err)
+        out["latest_after_torn"] = latest(root / "held").name
+        # taking .data (a write no version counter sees) waits for the copy
+        gate.clear()
+        before_data = _local_state(model, opt)
+        through_data = ts.save(root / "held" / "step_7", model, opt, async_save=True)
+        threading.Timer(0.5, gate.set).start()
+        next(model.parameters()).data.add_(1.0)
+        through_data.result()
+    finally:
+        DefaultStager._stage = stage
+    ts.load(root / "held" / "step_5", model, opt)
+    out["held_equals_state_before_step"] = _same(_local_state(model, opt), before_step)
+    ts.load(root / "held" / "step_7", model, opt)
+    out["data_write_after_copy"] = _same(_local_state(model, opt), before_data)
     return out
 
 
@@ -157,3 +202,14 @@ def test_load_full_state_dict_from_rank0_only(results):
         assert out["shape_error"] == "wpe: shape (3,) in the state dict, (8, 12) in the model; nothing was loaded"
         assert out["unchanged_by_refusal"]
         assert out["broadcast_loaded"] and out["same_logits"]
+
+
+def test_writes_wait_for_the_background_copy_and_a_write_it_misses_fails_the_save(results):
+    _, outs = results
+    for rank, out in enumerate(outs):
+        assert out["step_waited"].endswith("step_5")
+        assert out["held_equals_state_before_step"]
+        assert out["torn"] is not None and "rank 0's model/wpe was written while the save copied it" in out["torn"], \
+            out["torn"]
+        assert out["latest_after_torn"] == "step_5"
+        assert out["data_write_after_copy"]

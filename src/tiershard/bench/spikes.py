@@ -2,7 +2,7 @@
 gradient clipping and conversion, against what the rank holds; and the blocking time of an asynchronous save.
 
     python -m tiershard.bench.spikes                       # 4 gloo ranks on the CPU, 2 nodes of 2, ~120M GPT
-    python -m tiershard.bench.spikes --layers 4 --embd 256 # a quick run
+    python -m tiershard.bench.spikes --layers 4 --embd 256 --heads 8   # a quick run
 
 Each operation runs between two marks: ``gc`` and ``malloc_trim`` return freed memory to the OS, then
 ``/proc/self/clear_refs`` restarts the peak (VmHWM) at the current RSS (as ``bench.rank`` measures a system's
@@ -11,8 +11,9 @@ peak); the rise is VmHWM after the operation minus RSS before it. The goal: a ri
 ``full_state_dict(rank0_only=True)`` leaves the whole model on rank 0 by design: its row also gives the rise
 beyond the returned tensors. ``convert`` runs in one process (rank 0), with no process group. The loads into a
 fresh optimizer create its states (two thirds of the shards under AdamW), once through torch's state-dict helper
-and once as ``ts.load`` does. Last, the blocking time of ``ts.save(..., async_save=True)`` against a
-synchronous save of the same state (the first asynchronous save, which makes the staging buffers, apart).
+and once as ``ts.load`` does. Last, the blocking time of ``ts.save(..., async_save=True)`` (the call, plus how
+much longer the next optimizer step takes while it waits for the background copy) against a synchronous save of
+the same state (the first asynchronous save, which makes the staging buffers, apart).
 """
 from __future__ import annotations
 
@@ -131,11 +132,24 @@ def rank_job(rank: int, world: int, cfg: dict, folder: str) -> dict:
                                                                    max_shard_size="100MB"))
         rows["convert"] = {"rise": record_convert[1], "seconds": record_convert[2], "kept": 0}
     dist.barrier()
+
+    def step_wait(baseline: float) -> float:
+        """A training step; how much longer its ``opt.step()`` took than ``baseline`` (the wait for a copy)."""
+        step()
+        start = time.perf_counter()
+        opt.step()
+        seconds = time.perf_counter() - start
+        opt.zero_grad()
+        return max(0.0, seconds - baseline)
+
+    baseline = min(step_wait(0.0) for _ in range(2))       # opt.step() alone, nothing in flight
     first = record("save (async, first)", lambda: ts.save(root / "timed" / "step_0", model, opt, async_save=True))
+    rows["save (async, first)"]["step_wait"] = step_wait(baseline)
     first.result()              # the first one makes the staging buffers and the background group
     record("save (sync, timed)", lambda: ts.save(root / "timed" / "step_1", model, opt))
     handle = record("save (async, blocking)", lambda: ts.save(root / "timed" / "step_2", model, opt,
                                                               async_save=True))
+    rows["save (async, blocking)"]["step_wait"] = step_wait(baseline)
     start = time.perf_counter()
     handle.result()
     rows["save (async, blocking)"]["write_seconds"] = time.perf_counter() - start
@@ -165,18 +179,24 @@ def table(results: list[dict]) -> str:
                      f"{r0['rows'][name]['seconds']:.2f} |")
     if "save (async, blocking)" in r0["rows"]:
         sync = max(r["rows"]["save (sync, timed)"]["seconds"] for r in results)
-        blocking = max(r["rows"]["save (async, blocking)"]["seconds"] for r in results)
-        timed = r0["rows"]["save (async, blocking)"]
-        first = max(r["rows"]["save (async, first)"]["seconds"] for r in results)
+
+        def blocked(name: str) -> tuple[float, float, float]:
+            """The slowest rank's (call + the next step's wait, call, wait) in seconds."""
+            return max((r["rows"][name]["seconds"] + r["rows"][name]["step_wait"], r["rows"][name]["seconds"],
+                        r["rows"][name]["step_wait"]) for r in results)
 
         def rises(name: str) -> str:
             return " / ".join(f"{r['rows'][name]['rise'] / MB:.0f}" for r in results)
 
-        lines += ["", f"save blocking time (slowest rank): synchronous {sync:.2f} s, asynchronous {blocking:.2f} s "
-                  f"({blocking / sync:.2f}x; the write then took {timed['write_seconds']:.2f} s more on rank 0); "
-                  f"the first asynchronous save, which makes the staging buffers, blocked {first:.2f} s. Peak RSS "
-                  f"rise per rank while the call blocks: first {rises('save (async, first)')} MB (the staging "
-                  f"copy, kept for later saves), later {rises('save (async, blocking)')} MB"]
+        later, first = blocked("save (async, blocking)"), blocked("save (async, first)")
+        lines += ["", f"save blocking time (slowest rank): synchronous {sync:.2f} s; asynchronous {later[0]:.2f} s "
+                  f"({later[0] / sync:.2f}x: the call {later[1]:.2f} s, the next step's wait for the copy "
+                  f"{later[2]:.2f} s; the write then took "
+                  f"{r0['rows']['save (async, blocking)']['write_seconds']:.2f} s more on rank 0); the first "
+                  f"asynchronous save, which makes the staging buffers, {first[0]:.2f} s ({first[0] / sync:.2f}x: "
+                  f"call {first[1]:.2f} s, wait {first[2]:.2f} s). Peak RSS rise per rank during the call: first "
+                  f"{rises('save (async, first)')} MB, later {rises('save (async, blocking)')} MB (the staging copy "
+                  "is made in the background and kept for later saves)"]
     return "\n".join(lines)
 
 

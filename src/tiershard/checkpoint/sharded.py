@@ -60,6 +60,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from ..comm.failure import guard
+from ..runtime.flat import copy_in_background
 
 __all__ = ["CheckpointError", "SaveFuture", "save", "load", "latest", "resolve", "verify"]
 
@@ -304,10 +305,11 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     rank and nothing is renamed into place. The parent folder's ``latest`` then names this checkpoint. Returns the
     checkpoint folder.
 
-    ``async_save=True`` returns once this rank's state is copied aside ([Note: asynchronous save]): a
-    ``SaveFuture`` whose ``result()`` waits until the checkpoint is in place and ``latest`` names it, and returns
-    its folder (or raises ``CheckpointError``; the previous checkpoint and ``latest`` are then unchanged). A
-    later ``save`` or ``load`` of the model waits for it first.
+    ``async_save=True`` returns at once and copies this rank's state aside in the background; the optimizer's next
+    step (and any load) waits for the copy, and an in-place write made while it is taken fails the save
+    ([Note: asynchronous save]). It returns a ``SaveFuture`` whose ``result()`` waits until the checkpoint is in
+    place and ``latest`` names it, and returns its folder (or raises ``CheckpointError``; the previous checkpoint
+    and ``latest`` are then unchanged). A later ``save`` or ``load`` of the model waits for it first.
     """
     engine = _engine(model)
     from ..runtime.api import _check_loaded
@@ -435,12 +437,16 @@ def _async_group(topology):
 
 def _save_async(state: dict, tmp: Path, path: Path, token: str, engine) -> SaveFuture:
     """[Note: asynchronous save] DCP's ``async_save`` copies this rank's state aside (a CPU copy; on a GPU into
-    pinned memory) before it returns, so training may change the model at once. The copy's buffers are made by the
-    first asynchronous save and kept with the model for the next ones (a second save waits for the first, so
-    one copy is enough: memory of this rank's shards, held from then on). A background thread writes
-    the copy, then commits as ``save`` does ([Note: atomic save]) on a gloo group of its own: ``latest`` moves
-    only after every rank's files are written and checksummed. A failed or killed write leaves the hidden
-    folder, which the next save removes, and nothing else."""
+    pinned memory) in a background thread, and a second thread writes the copy, then commits as ``save`` does
+    ([Note: atomic save]) on a gloo group of its own: ``latest`` moves only after every rank's files are written
+    and checksummed. A failed or killed write leaves the hidden folder, which the next save removes, and nothing
+    else. The call returns at once; until the copy is taken, every write the engine sees coming waits for it
+    ([Note: background copies]: the optimizer's step, loads). A write it cannot see coming (an in-place write to a
+    parameter or an optimizer state) is caught by the tensors' version counters, read before the copy starts and
+    the moment it ends: the save then fails on every rank, naming the tensor, instead of writing a torn
+    checkpoint. The copy's buffers are made by the first asynchronous save and kept with the model for the next
+    ones (a second save waits for the first, so one copy is enough: memory of this rank's shards, held from then
+    on)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     rank, _ = _rank_world()
@@ -448,27 +454,56 @@ def _save_async(state: dict, tmp: Path, path: Path, token: str, engine) -> SaveF
     stager = getattr(engine, "_tiershard_stager", None)
     if stager is None:      # kept with the model: its buffers (pinned ones are slow to make) serve every later save
         stager = DefaultStager(StagingOptions(use_pinned_memory=engine.device.type == "cuda",
-                                              use_shared_memory=False, use_async_staging=False,
+                                              use_shared_memory=False, use_async_staging=True,
                                               use_non_blocking_copy=False))
         engine._tiershard_stager = stager
-    upload = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group, async_stager=stager)
+    before = _versions(state)
+    response = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group, async_stager=stager)
+    copied: Future = Future()      # set only once the versions are read: no waiting writer runs before
+    written: list[str] = []
+
+    def staged(_) -> None:
+        try:
+            written.extend(name for name, mark in _versions(state).items() if mark != before.get(name))
+        finally:
+            copied.set_result(None)
+
+    copy_in_background(copied)
+    response.staging_completion.add_done_callback(staged)
     handle = SaveFuture(path)
     handle.set_running_or_notify_cancel()
 
     def finish() -> None:
         try:
-            upload.result()
+            response.upload_completion.result()
+            copied.result()
+            _agree(f"rank {rank}'s {written[0]} was written while the save copied it ({len(written)} tensors in "
+                   "all), so the copy may mix old and new values. Write parameters and optimizer states after the "
+                   "optimizer's next step (which waits for the copy), or after the save (its handle's result())"
+                   if written else None, group)
             handle.set_result(_commit(tmp, path, token, engine, group))
         except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the handle
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
+            cause = err if isinstance(err, CheckpointError) else _first_failure(err)
             handle.set_exception(CheckpointError(
-                f"ts.save to {path} failed while writing ({_first_failure(err)}): nothing was renamed into place, "
+                f"ts.save to {path} failed while writing ({cause}): nothing was renamed into place, "
                 f"the previous checkpoint and {LATEST} are unchanged"))
 
     engine._tiershard_saving = handle
     threading.Thread(target=finish, name=f"tiershard-save-{path.name}").start()
     return handle
+
+
+def _versions(state: dict) -> dict[str, tuple[int, int]]:
+    """Each tensor of ``state`` by its key path: its version counters (a DTensor's and its shard's), which every
+    in-place write advances."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_flatten_with_path
+
+    return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in key):
+            (value._version, (value._local_tensor if isinstance(value, DTensor) else value)._version)
+            for key, value in tree_flatten_with_path(state)[0] if isinstance(value, torch.Tensor)}
 
 
 def latest(root: str | os.PathLike) -> Path | None:

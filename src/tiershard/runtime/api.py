@@ -20,7 +20,7 @@ from ..comm.failure import unit_scope
 from ..plan import Plan
 from ..topology import Topology, TopologyError
 from .engine import Engine, Unit
-from .flat import FlatGroup
+from .flat import FlatGroup, wait_for_copies
 from .layout import ParamLayout, finest_chunks
 from .materialize import InitFn, Unloaded, materialize, tie_empty_weights
 from .wrap import WrapPolicy, find_units
@@ -145,6 +145,7 @@ def _guard_load_state_dict(model: nn.Module) -> None:
     @functools.wraps(load)
     def load_state_dict(state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
         engine = _engine(model)
+        wait_for_copies()                  # [Note: background copies]
         layouts = list(_units_layouts(engine))
         names = {name for _, _, layout in layouts for name in layout.names}
         kinds = {isinstance(v, DTensor) for k, v in state_dict.items() if k in names}
@@ -425,6 +426,7 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], st
     keeps its shard of it, so a rank holds at most one full tensor beyond its shards. Without it every rank
     passes the whole state dict (every rank holds the model)."""
     engine = _engine(model)
+    wait_for_copies()                            # [Note: background copies]
     layouts = list(_units_layouts(engine))
     problem = None
     if not broadcast_from_rank0 or dist.get_rank() == 0:

@@ -59,11 +59,11 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..comm.stream import stream_for
-from .flat import FlatGroup, MemoryGauge
+from .flat import FlatGroup, MemoryGauge, wait_for_copies
 
 if TYPE_CHECKING:
     from ..plan import Placement
@@ -71,6 +71,7 @@ if TYPE_CHECKING:
 # Engines in creation order: the post-step sync must run its collectives in the same order on every rank.
 _ENGINES: "list[weakref.ref[Engine]]" = []
 _STEP_HOOK = None
+_PRE_STEP_HOOK = None
 
 
 def _in_backward() -> bool:
@@ -353,6 +354,7 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
 
 
 def _install_step_hook() -> None:
-    global _STEP_HOOK
+    global _STEP_HOOK, _PRE_STEP_HOOK
     if _STEP_HOOK is None:
         _STEP_HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
+        _PRE_STEP_HOOK = register_optimizer_step_pre_hook(wait_for_copies)   # [Note: background copies]

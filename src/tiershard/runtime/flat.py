@@ -46,6 +46,8 @@ gradient, never after. The engine's own accesses, some of them on the stream, go
 """
 from __future__ import annotations
 
+from concurrent import futures
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -64,6 +66,26 @@ from .layout import ParamLayout, plan_columns
 
 if TYPE_CHECKING:
     from ..plan import Placement
+
+
+# [Note: background copies] An asynchronous save copies the masters and the optimizer's states in a background
+# thread. Until the copy is taken, whatever writes them waits for it: every optimizer step (a global pre-step
+# hook, engine.py), ``load_state_dict``, ``ts.load_full_state_dict``, ``ts.load``, and taking a master's ``.data``
+# (through which a write reaches no version counter). A failed copy is not raised here: the save's handle
+# reports it. In-place writes to a parameter or an optimizer state are caught by the save instead
+# ([Note: asynchronous save], checkpoint/sharded.py).
+_COPIES: list[Future] = []
+
+
+def copy_in_background(done: Future) -> None:
+    """Register a background copy of the masters; writers wait until ``done`` is set."""
+    _COPIES.append(done)
+
+
+def wait_for_copies(*_: object) -> None:
+    """Wait for every background copy of the masters in progress ([Note: background copies])."""
+    while _COPIES:
+        futures.wait([_COPIES.pop()])
 
 
 _RAW_GRAD = torch._C.TensorBase.grad
@@ -100,6 +122,7 @@ class TierMaster(DTensor):
 
     @property
     def data(self):
+        wait_for_copies()
         self._tiershard_touched = True
         return torch._C.TensorBase.data.__get__(self)
 
