@@ -7,7 +7,7 @@ import inspect
 import logging
 import types
 from collections import Counter
-from typing import Callable, Collection, Iterator, Mapping
+from typing import Callable, Collection, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -103,7 +103,7 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
                 chunking = topology.chunking(placement.os if trainable else placement.p)
                 layouts = [ParamLayout(uses, names, p.shape, finest_chunks(p.shape[0], chunking))
                            for p, uses, names in owned]
-                values = None if meta else _broadcast_values([p for p, _, _ in owned], device)
+                values = None if meta else _RankZeroValues([p for p, _, _ in owned], device)
                 group = FlatGroup(layouts, values, placement, trainable, param_dtype, reduce_dtype, device)
                 dtypes.update((id(m), p.dtype) for m, (p, _, _) in zip(group.masters, owned))
                 groups.append(group)
@@ -344,12 +344,23 @@ def _broadcast_buffers(model: nn.Module) -> None:
         dist.broadcast(buf, src=0)
 
 
-@torch.no_grad()
-def _broadcast_values(params: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Rank 0's values of ``params`` (as fp32), one broadcast for the group."""
-    flat = torch.cat([p.detach().reshape(-1).to(device=device, dtype=torch.float32) for p in params])
-    dist.broadcast(flat, src=0)
-    return [v.view(p.shape) for v, p in zip(flat.split([p.numel() for p in params]), params)]
+class _RankZeroValues(Sequence):
+    """Rank 0's value of each of ``params`` as fp32 on ``device``, broadcast when it is read: ``FlatGroup`` reads
+    each once, in order, and keeps only its band, so sharding holds one full parameter at a time beyond the
+    masters (one broadcast of the whole group held a copy of the group, the whole model for a model of one unit)."""
+
+    def __init__(self, params: list[torch.Tensor], device: torch.device):
+        self.params, self.device = params, device
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    @torch.no_grad()
+    def __getitem__(self, index: int) -> torch.Tensor:
+        value = self.params[index].detach().to(device=self.device, dtype=torch.float32, copy=True,
+                                               memory_format=torch.contiguous_format)
+        dist.broadcast(value, src=0)
+        return value
 
 
 def _engine(model: nn.Module) -> Engine:
