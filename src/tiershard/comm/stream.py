@@ -21,6 +21,13 @@ back to the communication stream while the main stream's kernels may still read 
 ``inline=True`` runs everything on the caller's thread at submission: the synchronous schedule, the reference
 the overlapped one must match bit for bit.
 
+[Note: one reduction in flight] Each gradient reduction holds its unit's full gradient matrix until it has run.
+Backward makes them faster than a slow link sends them, so unbounded they pile up: every unit's matrix alive at
+once at the end of backward, a peak that depends on the link's speed. ``submit(..., bound=key)`` first waits for
+the previous job submitted under the same key, so at most one reduction runs while backward builds the next
+unit's matrix, as FSDP2 waits for its previous reduce-scatter before the next. The link is busy either way;
+compute waits only when the link is the bottleneck, and then the step's length is the link's.
+
 [Note: no failure is dropped] A job's failure reaches the main thread exactly once: at the first ``result()`` of
 its future, or else at the next ``drain`` or ``submit``, even when the job finished long before (a reduction that
 failed must stop the step before the optimizer uses the gradients it did not deliver). After a collective failed
@@ -70,6 +77,7 @@ class _Job(Future):
 
     seen = False
     done_event = None     # CUDA: recorded on the communication stream after the job's work
+    inputs = None         # CUDA, bounded jobs: kept until the main stream waits for done_event
 
     def result(self, timeout: float | None = None) -> Any:
         try:
@@ -101,20 +109,39 @@ class CommStream:
                       else ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiershard-comm"))
         self._consumer = torch.cuda.current_stream(device) if self._cuda is not None else None
         self._pending: list[_Job] = []
+        self._bounded: dict[str, _Job] = {}    # the last job per bound key ([Note: one reduction in flight])
         self._queued = False          # CUDA: work queued on the communication stream since the last drain
         self._broken: CollectiveError | None = None    # the first collective that failed: nothing runs after it
 
-    def submit(self, fn: Callable[..., Any], *args: Any, unit: str | None = None) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any, unit: str | None = None, bound: str | None = None) -> Future:
         """Run ``fn(*args)`` after everything submitted before; returns its future. ``unit`` is named in the
-        error of a collective that fails in it. Raises first a failure of an earlier job nobody has seen."""
+        error of a collective that fails in it. ``bound``: first wait for the previous job submitted with this
+        key ([Note: one reduction in flight]). Raises first a failure of an earlier job nobody has seen."""
+        if bound is not None:
+            self.wait_previous(bound)
         self._raise_unseen()
         job = _Job()
+        if bound is not None:
+            self._bounded[bound] = job
+            if self._cuda is not None:      # the device still reads them after the host is done with the job
+                job.inputs = args
         if self._pool is None:
             self._execute(job, fn, args, unit)      # a failure surfaces at result(), as on the thread
         else:
             self._pool.submit(self._execute, job, fn, args, unit)
         self._pending.append(job)
         return job
+
+    def wait_previous(self, bound: str) -> None:
+        """Wait for the last job submitted under ``bound`` to finish ([Note: one reduction in flight]); call it
+        before allocating the next job's buffers, so the previous job's are freed first."""
+        previous = self._bounded.pop(bound, None)
+        if previous is None:
+            return
+        wait([previous])
+        if previous.done_event is not None:     # CUDA: its inputs may be reused once the device is past it
+            torch.cuda.current_stream(self.device).wait_event(previous.done_event)
+        previous.inputs = None
 
     def _raise_unseen(self) -> None:
         """Forget finished jobs; raise the first failure that has not reached a caller yet."""
@@ -169,6 +196,9 @@ class CommStream:
         if self._queued:                 # the caller's stream waits for everything queued on the device
             torch.cuda.current_stream(self.device).wait_stream(self._cuda)
             self._queued = False
+        for job in self._bounded.values():
+            job.inputs = None
+        self._bounded.clear()
         for job in pending:
             if not job.seen and job.exception() is not None:
                 job.result()

@@ -91,6 +91,7 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
     _check_same_everywhere(params)
     if not meta:
         _broadcast_buffers(model)
+    del params
 
     dtypes = {}
     engine = Engine(model, placement, param_dtype, reduce_dtype, device, qwz_eval, prefetch)
@@ -112,6 +113,9 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
             group.unit = unit.path
         unit.release()          # the module shows the masters from now on
         engine.units.append(unit)
+        _mark_replaced(spec.params)
+        spec.params.clear()     # the unit's full tensors go now, not when the whole model is cut
+        owned = values = None
     if meta:
         unloaded = materialize(model, engine, device, dtypes, init)
         if unloaded:
@@ -124,7 +128,6 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
     _guard_load_state_dict(model)
     for module in model.modules():           # .to / .half / .float / .cuda / ... of the model or any submodule
         module._apply = types.MethodType(_sharded_apply, module)
-    _mark_replaced(params)
     model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: engine.settle())
     model.register_load_state_dict_pre_hook(lambda module, *args, **kwargs: engine.settle())
     return model

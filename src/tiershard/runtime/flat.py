@@ -579,6 +579,7 @@ class FlatGroup:
         to the micro-steps so far ([Note: gradients between micro-steps])."""
         if self._reducing is not None:
             self._reducing.result()        # the group's previous reduction reads and writes the same state
+        self.stream.wait_previous("reduce")    # its matrix is freed before this one is made
         self.apply_grad_writes()
         pieces = []
         for layout, w in zip(self.layouts, self.working):
@@ -589,7 +590,7 @@ class FlatGroup:
                 pieces.append(layout.band(0, self.W).padded_flat(grad))
         full = torch.empty(self.S, dtype=self.reduce_dtype, device=self.device)
         _chunk_cat(pieces, self.W, full)
-        self._reducing = self.stream.submit(self._reduce_matrix, full, boundary, unit=self.unit)
+        self._reducing = self.stream.submit(self._reduce_matrix, full, boundary, unit=self.unit, bound="reduce")
 
     def _reduce_matrix(self, full: torch.Tensor, boundary: bool) -> None:
         """(On the stream.) Reduce-scatter to level g, accumulate, and at the boundary finish at level os."""
