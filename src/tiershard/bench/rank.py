@@ -40,6 +40,17 @@ def _status_bytes(key: str) -> int | None:
     return None
 
 
+def _restart_peak() -> None:
+    """Free what can be freed and restart the peak-RSS mark, keeping the baseline: the peak of the step that
+    follows is then what the system holds plus that step's own, without what its build left in freed blocks."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")
+    except (OSError, AttributeError):
+        pass
+
+
 def _settle_memory() -> int | None:
     """Free what can be freed, return it to the OS, restart the peak-RSS mark; the resident bytes after that.
 
@@ -141,8 +152,8 @@ def _watch_memory(trainer) -> dict:
 
 
 def rank_job(rank: int, world: int, spec: dict) -> dict:
-    """Every rank: build the systems one by one (peak memory over build and warm-up), then alternate them round
-    by round, reading NIC counters (one rank per node) and ``ts.comm_stats()`` around each system's steps.
+    """Every rank: build the systems one by one (peak RSS of the build, and of the last warm-up step from a
+    trimmed start), then alternate them round by round, reading NIC counters (one rank per node) and ``ts.comm_stats()`` around each system's steps.
 
     For ``run_local(rank_job, world, spec)`` or under a launcher (``python -m tiershard.bench SPEC``). Returns this
     rank's measurements; step times and losses are already reduced over ranks (equal on every rank).
@@ -173,14 +184,18 @@ def rank_job(rank: int, world: int, spec: dict) -> dict:
         else:
             trainer = make_trainer(runner, model_cfg, **options)
         memory = _watch_memory(trainer) if runner.startswith("tiershard:") else None
-        warm = trainer.train(spec["warmup"])
+        built = _status_bytes("VmHWM")
+        losses = trainer.train(spec["warmup"] - 1)["losses"] if spec["warmup"] > 1 else []
+        _restart_peak()
+        losses += trainer.train(1)["losses"] if spec["warmup"] > 0 else []
         peak = _status_bytes("VmHWM")
         if memory is not None:
             for handle in memory.pop("handles"):
                 handle.remove()
         trainers[label] = trainer
-        out[label] = {"runner": runner, "losses": list(warm["losses"]), "step_times": [], "rounds": [],
+        out[label] = {"runner": runner, "losses": list(losses), "step_times": [], "rounds": [],
                       "peak_bytes": None if base is None or peak is None else peak - base,
+                      "build_peak_bytes": None if base is None or built is None else built - base,
                       "params": getattr(trainer, "num_params", None), "memory": memory}
     labels = [label for label, _ in spec["systems"]]
     for r in range(spec["rounds"]):

@@ -240,7 +240,8 @@ def summarize(cfg: BenchConfig, systems: list[System], ranks: list[dict], accum:
                "same_as": s.same_as, "step_s": step, "step_times": mine["step_times"],
                "tokens_per_s": tokens / step, "final_loss": mine["losses"][-1] if mine["losses"] else None,
                "losses": mine["losses"], "timed_steps": timed,
-               "peak_bytes": max((r["systems"][key]["peak_bytes"] or 0) for r in ranks) or None}
+               "peak_bytes": max((r["systems"][key]["peak_bytes"] or 0) for r in ranks) or None,
+               "build_peak_bytes": max((r["systems"][key].get("build_peak_bytes") or 0) for r in ranks) or None}
         tier_nic, group_nic = _nic_tiers(ranks, key, timed, three)
         nic = tier_nic.get("world", {})
         row["nic_per_node"] = nic or None
