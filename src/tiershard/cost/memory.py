@@ -137,7 +137,8 @@ def breakdown(pl: Placement, groups: Sequence[GroupLayout], rank: int, param_byt
     """Bytes rank ``rank`` holds by what they hold, as ``ts.memory_stats`` names them, at the end of a step's last
     backward (before ``optimizer.step``, after at least one step: the optimizer states exist), and the peaks of
     gathered weights over a training step. ``optimizer_states``: fp32 tensors per master (AdamW 2, SGD with
-    momentum 1); ``micro_steps``: of that step (more than one leaves the gradients in the masters' shards)."""
+    momentum 1); ``micro_steps``: of that step (the bytes do not depend on it: the placeholders between
+    micro-steps hold no memory unless written)."""
     topo, d = pl.topology, pl.size
     world, plan = topo.world_size, pl.plan
     qwz = codec_from_spec(plan.qwz) if plan.qwz else None
@@ -159,7 +160,7 @@ def breakdown(pl: Placement, groups: Sequence[GroupLayout], rank: int, param_byt
         else:
             out["master_weights"] += 4 * sum(shards)
             out["optimizer_states"] += 4 * optimizer_states * sum(shards)
-            out["gradients"] += 4 * _grad_elements(bands(pl.os), g.params, world // d(pl.os), shards, micro_steps)
+            out["gradients"] += 4 * _grad_elements(bands(pl.os), g.params, world // d(pl.os), shards)
             if pl.p == 0:
                 out["working_weights"] += param_bytes * sum(layout.numel for layout in g.params)
             elif pl.p != pl.os:
@@ -184,12 +185,10 @@ def breakdown(pl: Placement, groups: Sequence[GroupLayout], rank: int, param_byt
     return out
 
 
-def _grad_elements(bands, params, slots: int, shards: list[int], micro_steps: int) -> int:
-    """Elements of the masters' gradient storage after the boundary: the shards themselves after accumulating
-    micro-steps (``PendingGrad``), else the level-os band (views of it, one slot) or one block per parameter,
-    with a copy for a shard whose real rows are picked by index."""
-    if micro_steps > 1:
-        return sum(shards)
+def _grad_elements(bands, params, slots: int, shards: list[int]) -> int:
+    """Elements of the masters' gradient storage after the boundary: the level-os band (views of it, one slot)
+    or one block per parameter, with a copy for a shard whose real rows are picked by index. Accumulating
+    micro-steps changes nothing: the ``PendingGrad`` placeholders between them hold no memory unless written."""
     views = [b.index is None for b in bands]
     copies = sum(n for n, view in zip(shards, views) if not view)
     if slots == 1:

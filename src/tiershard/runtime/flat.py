@@ -28,8 +28,9 @@ through ``aliases``, tensors on the same storage with their own version counters
 before backward does not trip autograd's in-place check.
 
 [Note: gradients between micro-steps] Under ``ts.no_sync`` the micro-steps accumulate at level g in
-``grad_acc``; a master's ``.grad`` holds a ``PendingGrad``, zeros plus whatever the user adds, and the
-boundary adds the reduced accumulator to it. What DDP would do to the accumulated gradient the user's in-place
+``grad_acc``; a master's ``.grad`` holds a ``PendingGrad``, zeros plus whatever the user adds (one element
+expanded to the shard's shape until the first write gives it memory), and the boundary adds the reduced
+accumulator to it. What DDP would do to the accumulated gradient the user's in-place
 writes do here too: ``PendingGrad`` sees each write (``__torch_dispatch__``) and records its effect on the
 micro-steps so far, applied to their columns of ``grad_acc`` before the next reduction adds to it: a
 multiplication or division by a number scales them (``mul_(1.0)`` changes nothing), an addition leaves them
@@ -156,6 +157,9 @@ class PendingGrad(DTensor):
             for t, factor in zip(targets, factors):      # every write understood: only now record them
                 if factor is not None:
                     t.__dict__["_tiershard_scale"] = t.__dict__.get("_tiershard_scale", 1.0) * factor
+                    if t.__dict__.pop("_tiershard_unwritten", False):    # the zeros get memory when written
+                        t._local_tensor = torch.zeros(t._local_tensor.shape, dtype=t._local_tensor.dtype,
+                                                      device=t._local_tensor.device)
         return DTensor.__torch_dispatch__(func, types, args, kwargs)
 
 
@@ -633,11 +637,16 @@ class FlatGroup:
 
     def _mark_grads(self) -> None:
         """(On the stream.) Give every master a ``PendingGrad`` (zeros, or the tensor the user set, in place),
-        whose writes the next micro-step applies to the accumulator."""
+        whose writes the next micro-step applies to the accumulator. New zeros are one element expanded to the
+        shard's shape until something writes them: the micro-steps sit in ``grad_acc``, and a second fp32 copy
+        of the gradient shard for placeholders nobody writes was the largest cost of accumulating."""
         for i, master in enumerate(self.masters):
             grad = _get_grad(master)
             if grad is None:
-                grad = self._dtensor(i, self.stream.hand_over(torch.zeros_like(self.master_local(i))))
+                like = self.master_local(i)
+                zeros = torch.zeros((), dtype=like.dtype, device=like.device).expand(like.shape)
+                grad = self._dtensor(i, self.stream.hand_over(zeros))
+                grad.__dict__["_tiershard_unwritten"] = True
             elif type(grad) is DTensor and grad._spec == self.specs[i]:
                 grad = self._dtensor(i, grad._local_tensor)     # the tensor the user set: its writes count too
             if type(grad) is DTensor:
@@ -708,6 +717,8 @@ class FlatGroup:
             grad = _get_grad(master)
             if grad is None:
                 _set_grad(master, self._dtensor(i, self.stream.hand_over(local)))
+            elif isinstance(grad, PendingGrad) and grad.__dict__.get("_tiershard_unwritten"):
+                _set_grad(master, self._dtensor(i, self.stream.hand_over(local)))     # zeros + local: local
             elif isinstance(grad, PendingGrad):     # the boundary: from now on a plain gradient
                 _set_grad(master, self._dtensor(i, grad._local_tensor.add_(local)))
             else:
