@@ -153,7 +153,8 @@ def _watch_memory(trainer) -> dict:
 
 def rank_job(rank: int, world: int, spec: dict) -> dict:
     """Every rank: build the systems one by one (peak RSS of the build, and of the last warm-up step from a
-    trimmed start), then alternate them round by round, reading NIC counters (one rank per node) and ``ts.comm_stats()`` around each system's steps.
+    trimmed start), then alternate them round by round, reading NIC counters (one rank per node) and
+    ``ts.comm_stats()`` around each system's steps.
 
     For ``run_local(rank_job, world, spec)`` or under a launcher (``python -m tiershard.bench SPEC``). Returns this
     rank's measurements; step times and losses are already reduced over ranks (equal on every rank).
