@@ -40,23 +40,10 @@ def _status_bytes(key: str) -> int | None:
     return None
 
 
-def _restart_peak() -> None:
-    """Free what can be freed and restart the peak-RSS mark, keeping the baseline: the peak of the step that
-    follows is then what the system holds plus that step's own, without what its build left in freed blocks."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        Path("/proc/self/clear_refs").write_text("5")
-    except (OSError, AttributeError):
-        pass
-
-
-def _settle_memory() -> int | None:
-    """Free what can be freed, return it to the OS, restart the peak-RSS mark; the resident bytes after that.
-
-    Peak memory per system is then the peak RSS while it builds and trains minus this, so systems built
-    earlier in the same process (still resident, their freed pages trimmed) do not count.
-    """
+def _restart_peak() -> bool:
+    """Free what can be freed, return it to the OS and restart the peak-RSS mark at the current RSS; whether the
+    mark could be restarted. Before the measured warm-up step the baseline is kept: that step's peak is then what
+    the system holds plus the step's own, without what its build left in freed blocks."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -65,8 +52,17 @@ def _settle_memory() -> int | None:
     try:
         Path("/proc/self/clear_refs").write_text("5")     # Linux: reset VmHWM to the current RSS
     except OSError:
-        return None
-    return _status_bytes("VmRSS")
+        return False
+    return True
+
+
+def _settle_memory() -> int | None:
+    """``_restart_peak``, then the resident bytes after it (None where the peak mark cannot be restarted).
+
+    Peak memory per system is then the peak RSS while it builds and trains minus this, so systems built
+    earlier in the same process (still resident, their freed pages trimmed) do not count.
+    """
+    return _status_bytes("VmRSS") if _restart_peak() else None
 
 
 class ComputeOnly:
