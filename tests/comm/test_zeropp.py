@@ -9,7 +9,12 @@ from _dist import run_ranks
 from tiershard.bench.measure import cross_node_volume
 from _models import Block, TinyGPT, batches, loss_fn, pattern_batches
 
-PLANS = ["GGG", "GGG+qwz", "GGG+qgz", "zero++"]
+PLANS = ["GGG", "GGG+qwz", "GGG+qgz", "zero++", "GGG+hpz+qwz+qgz=int8:128:h/int4:128:h"]
+# Final loss of each plan against exact ZeRO-3's, at most. The default qgz rounds its int4 hop stochastically:
+# unbiased but noisier, on this 50-step toy (width 12, lr 1e-2) zero++ ends 1.7-2.5% above ZeRO-3 over six
+# rounding seeds, where round to nearest ends 1.0% above (on the default job at 600 steps stochastic rounding
+# is the better of the two; docs/zeropp.md).
+BOUND = {"GGG+qwz": 0.02, "GGG+qgz": 0.03, "zero++": 0.03, "GGG+hpz+qwz+qgz=int8:128:h/int4:128:h": 0.02}
 STEPS = 50
 
 
@@ -39,11 +44,11 @@ def _train_50(rank, world, sizes, plans):
     return finals
 
 
-def test_quantized_plans_train_within_2_percent_of_zero3():
+def test_quantized_plans_train_close_to_zero3():
     finals = run_ranks(_train_50, 4, (2, 4), PLANS)[0]
     assert finals["GGG"] < 0.6 * finals["first"], f"ZeRO-3 did not learn: {finals}"
     for plan in PLANS[1:]:
-        assert abs(finals[plan] - finals["GGG"]) <= 0.02 * finals["GGG"], (plan, finals)
+        assert abs(finals[plan] - finals["GGG"]) <= BOUND[plan] * finals["GGG"], (plan, finals)
 
 
 def _one_reduction(rank, world, sizes, plans, repeats=1):
@@ -72,16 +77,19 @@ def _one_reduction(rank, world, sizes, plans, repeats=1):
 
 
 def test_qgz_gradient_is_the_exact_mean_within_the_stated_error():
-    """int4 (block 64) over two or three hops: relative L2 error under 0.25; int8 under 0.02; the per-hop default
-    (int8 inside, int4 on the outermost tier) in between. Per-hop specs move what cost/traffic.py says."""
-    plans = ["GGG", "GGG+qgz=int4", "GGG+qgz=int8", "GGG+qgz", "GGG+qgz=8/4"]
+    """int4 (block 64) over two or three hops: relative L2 error under 0.25; int8 under 0.02; the per-hop codecs
+    (int8 inside, int4 on the outermost tier) in between when rounded to nearest, under 0.25 with stochastic rounding. Per-hop specs move what cost/traffic.py says."""
+    plans = ["GGG", "GGG+qgz=int4", "GGG+qgz=int8", "GGG+qgz", "GGG+qgz=int8:128:h/int4:128:h", "GGG+qgz=8/4"]
     two = run_ranks(_one_reduction, 4, (2, 4), plans + ["NGG+qgz=int4"])
     three = run_ranks(_one_reduction, 8, (2, 4, 8), plans)
     for errors in (two[0], three[0]):
         assert errors["GGG+qgz=int4"] < 0.25 and errors["GGG+qgz=int8"] < 0.02, errors
         assert errors["GGG+qgz=int4"] > errors["GGG+qgz=int8"] > 0, errors   # quantization really happened
         assert errors["GGG+qgz=int4"] > errors["GGG+qgz=8/4"] > errors["GGG+qgz=int8"], errors
-        assert errors["GGG+qgz"] < errors["GGG+qgz=int4"], errors
+        # the per-hop default rounded to nearest errs less than int4 everywhere; bare qgz rounds its int4 hop
+        # stochastically: unbiased (tests/comm/test_quantized_mean.py) but one reduction errs about as much
+        assert errors["GGG+qgz=int8:128:h/int4:128:h"] < errors["GGG+qgz=int4"], errors
+        assert errors["GGG+qgz=int8:128:h/int4:128:h"] < errors["GGG+qgz"] < 0.25, errors
     assert two[0]["NGG+qgz=int4"] < 0.25, two[0]
     for rank_result in two + three:         # every rank's ledger, per tier and per op, equals the formula
         measured, formula = rank_result["GGG+qgz=8/4 bytes"]

@@ -139,7 +139,8 @@ def test_load_full_state_dict_errors_and_partial_load():
 
 # ---- per-hop qgz specs and plan quality ([Note: qgz specs] in plan.py) ------------------------------------------
 @pytest.mark.parametrize("text, shown", [
-    ("GGG+qgz=8/4", "GGG+qgz=8/4"), ("IIG+qgz=int8:128:h/int4:128:h", "IIG+qgz"), ("zero++", "GGG+hpz+qwz+qgz"),
+    ("GGG+qgz=8/4", "GGG+qgz=8/4"), ("IIG+qgz=int8:128:h/int4:128:h:sr", "IIG+qgz"),
+    ("IIG+qgz=int8:128:h/int4:128:h", "IIG+qgz=int8:128:h/int4:128:h"), ("zero++", "GGG+hpz+qwz+qgz"),
     ("NIG+qgz=int8:64:h/int4:32:h:sr+ef", "NIG+qgz=int8:64:h/int4:32:h:sr+ef"), ("GGG+qgz+ef", "GGG+qgz+ef"),
     ("GGG+qgz=int4", "GGG+qgz=int4"), ("GGG+qgz=4:h", "GGG+qgz=4:h")])
 def test_per_hop_qgz_specs_round_trip(text, shown):
@@ -148,7 +149,7 @@ def test_per_hop_qgz_specs_round_trip(text, shown):
 
 
 def test_bare_qgz_is_the_per_hop_default():
-    assert ts.Plan.parse("GGG+qgz").qgz == ts.plan.QGZ_DEFAULT == "int8:128:h/int4:128:h"
+    assert ts.Plan.parse("GGG+qgz").qgz == ts.plan.QGZ_DEFAULT == "int8:128:h/int4:128:h:sr"
     assert ts.Plan.parse("zero++").qgz == ts.plan.QGZ_DEFAULT
     assert ts.Plan.parse("GGG+qgz=int4").qgz == "int4"          # int4 on every hop, as before
     # tiers: the last entry is the outermost tier, the first repeats for the inner tiers not named
@@ -156,7 +157,7 @@ def test_bare_qgz_is_the_per_hop_default():
     assert ts.Plan.parse("GGG+qgz=8/4").resolve(three).qgz_spec == "8/8/4"
     assert ts.Plan.parse("GGG+qgz=8/4+ef").qgz_hops(3) == ("8", "8", "4")
     assert ts.Plan.parse("GGG+qgz=4").qgz_hops(3) == ("4", "4", "4")
-    assert ts.Plan.parse("GGG+qgz").resolve(one).qgz_spec == "int4:128:h"   # the default's outermost entry
+    assert ts.Plan.parse("GGG+qgz").resolve(one).qgz_spec == "int4:128:h:sr"   # the default's outermost entry
     assert ts.Plan.parse("GGG").resolve(three).qgz_spec is None
 
 

@@ -82,6 +82,29 @@ def test_loss_is_fp32_for_bf16_logits():
     assert lm_loss(logits, torch.zeros(2, 4, dtype=torch.long)).dtype == torch.float32
 
 
+def test_bf16_linear_on_cpu_matches_torchs_bf16_product():
+    """[Note: bf16 products on a CPU]: the fp32 product of bf16 operands, rounded, is torch's bf16 product up to
+    the order of the sums: output and both gradients bf16, equal but for a few elements one bf16 ulp apart."""
+    from tiershard.train.models.gpt import Linear
+    torch.manual_seed(0)
+    ours = Linear(176, 704).bfloat16()
+    ref = torch.nn.Linear(176, 704).bfloat16()
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(512, 176, dtype=torch.bfloat16)
+    g = torch.randn(512, 704, dtype=torch.bfloat16)
+    (xa, xb) = (x.clone().requires_grad_(), x.clone().requires_grad_())
+    ya, yb = ours(xa), ref(xb)
+    ya.backward(g)
+    yb.backward(g)
+    for a, b in ((ya, yb), (xa.grad, xb.grad), (ours.weight.grad, ref.weight.grad), (ours.bias.grad, ref.bias.grad)):
+        assert a.dtype == b.dtype == torch.bfloat16
+        differ = a != b
+        assert differ.float().mean() < 1e-3
+        assert torch.all((a.float() - b.float()).abs() <= 2 ** -7 * b.float().abs() + 1e-6)
+    y32 = ours.float()(x.float())                       # fp32 modules are plain nn.Linear
+    torch.testing.assert_close(y32, torch.nn.functional.linear(x.float(), ours.weight.float(), ours.bias.float()))
+
+
 def test_presets_and_overrides():
     assert PRESETS["tiny"].n_layer == 2 and PRESETS["tiny"].n_embd == 32 and PRESETS["tiny"].vocab_size == 256
     small = GPT(PRESETS["small"]).num_params()
