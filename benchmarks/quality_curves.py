@@ -89,16 +89,18 @@ def plot(curves: dict, means: dict, ref_label: str, seeds: list[str], path: Path
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    colour = {label: f"C{i}" for i, label in enumerate(curves)}     # one colour per plan in both panels
     for label, runs in curves.items():
         steps = sorted(set.intersection(*(set(runs[s]) for s in seeds)))
-        left.plot(steps, [statistics.mean(runs[s][t] for s in seeds) for t in steps], label=label, marker=".")
+        left.plot(steps, [statistics.mean(runs[s][t] for s in seeds) for t in steps], label=label, marker=".",
+                  color=colour[label])
     left.set(xlabel="step", ylabel=f"validation loss (mean of {len(seeds)} seeds)", yscale="log")
     left.legend()
     right.axhline(0, color="black", lw=0.8)
     for band in (-0.5, 0.5):
         right.axhline(band, color="grey", lw=0.6, ls="--")
     for label, m in means.items():
-        right.plot(sorted(m), [m[t] for t in sorted(m)], label=label, marker=".")
+        right.plot(sorted(m), [m[t] for t in sorted(m)], label=label, marker=".", color=colour[label])
     right.set(xlabel="step", ylabel=f"difference from {ref_label}, % (mean over seeds)")
     right.legend()
     fig.tight_layout()
