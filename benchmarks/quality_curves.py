@@ -53,23 +53,17 @@ def main() -> None:
     print("| --- |" + " ---: |" * (len(args.seeds) + 2))
     means: dict[str, dict[int, float]] = {}
     for label, _ in plans:
-        cells, diffs = [], []
-        for s in args.seeds:
-            c = curves[label][s]
-            last = max(c)
-            if label == ref_label:
-                cells.append(f"{c[last]:.4f}")
-                continue
-            d = relative(c, ref[s]).get(last)
-            diffs.append(d)
-            cells.append(f"{c[last]:.4f} ({d:+.1f}%)")
-        mean = f"{statistics.mean(diffs):+.2f}%" if diffs else ""
+        lasts = [curves[label][s][max(curves[label][s])] for s in args.seeds]
+        if label == ref_label:
+            print(f"| {label} | " + " | ".join(f"{v:.4f}" for v in lasts) + " |  |  |")
+            continue
+        per_seed = [relative(curves[label][s], ref[s]) for s in args.seeds]
+        diffs = [p[max(curves[label][s])] for p, s in zip(per_seed, args.seeds)]
         sd = f"{statistics.stdev(diffs):.2f}" if len(diffs) > 1 else ""
-        print(f"| {label} | " + " | ".join(cells) + f" | {mean} | {sd} |")
-        if label != ref_label:
-            per_seed = [relative(curves[label][s], ref[s]) for s in args.seeds]
-            steps = sorted(set.intersection(*(set(p) for p in per_seed)))
-            means[label] = {t: statistics.mean(p[t] for p in per_seed) for t in steps}
+        print(f"| {label} | " + " | ".join(f"{v:.4f} ({d:+.1f}%)" for v, d in zip(lasts, diffs))
+              + f" | {statistics.mean(diffs):+.2f}% | {sd} |")
+        steps = sorted(set.intersection(*(set(p) for p in per_seed)))
+        means[label] = {t: statistics.mean(p[t] for p in per_seed) for t in steps}
 
     steps = sorted(set.intersection(*(set(m) for m in means.values()))) if means else []
     print(f"\nmean difference from {ref_label} over the seeds, by step")

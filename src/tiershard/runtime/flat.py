@@ -715,10 +715,9 @@ class FlatGroup:
             b = layout.band(self.first_slot(self.pl.os), n_os)
             local = b.real(block.view(b.padded, layout.row))
             grad = _get_grad(master)
-            if grad is None:
+            unwritten = isinstance(grad, PendingGrad) and grad.__dict__.get("_tiershard_unwritten")
+            if grad is None or unwritten:       # an unwritten placeholder is zeros: zeros + local is local
                 _set_grad(master, self._dtensor(i, self.stream.hand_over(local)))
-            elif isinstance(grad, PendingGrad) and grad.__dict__.get("_tiershard_unwritten"):
-                _set_grad(master, self._dtensor(i, self.stream.hand_over(local)))     # zeros + local: local
             elif isinstance(grad, PendingGrad):     # the boundary: from now on a plain gradient
                 _set_grad(master, self._dtensor(i, grad._local_tensor.add_(local)))
             else:
