@@ -64,7 +64,10 @@ def async_run(rank, world, root):
     out["latest"] = latest(root / "async").name
     out["trained_differs"] = not _same(_local_state(model, opt), saved)
 
-    # a second save waits for the first: a synchronous save right after an asynchronous one
+    # a second save waits for the first: a synchronous save right after an asynchronous one. Before it, the
+    # staging buffers are closed as torch 2.11's dcp.async_save closes the stager it is given: a new one is made
+    from tiershard.checkpoint.sharded import _engine
+    _engine(model)._tiershard_stager.close()
     first = ts.save(root / "order" / "step_2", model, opt, async_save=True)
     ts.save(root / "order" / "step_3", model, opt)
     out["first_done_before_second"] = first.done() and first.exception() is None

@@ -774,6 +774,14 @@ def test_fused_segment_kernels_equal_reference_bit_for_bit(threads: int, monkeyp
 
 _TRITON_SCRIPT = textwrap.dedent("""
     import torch
+    import triton.runtime.interpreter as interpreter
+    # Triton 3.6's interpreter turns a scalar argument into an int with int() of a 1-element array, which NumPy
+    # >= 2.4 refuses: every loop over a runtime bound (range(1, k)) failed. Read the element instead.
+    _patch = interpreter._patch_lang_tensor
+    def _patch_index(tensor, scope):
+        _patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    interpreter._patch_lang_tensor = _patch_index
     from tiershard.comm.codecs import triton_kernels as T
     from tiershard.comm.codecs import BlockCodec, INT8, INT4, same_bits
     from tiershard.comm.codecs.format import _layout

@@ -452,7 +452,7 @@ def _save_async(state: dict, tmp: Path, path: Path, token: str, engine) -> SaveF
     rank, _ = _rank_world()
     group = _async_group(engine.topology)
     stager = getattr(engine, "_tiershard_stager", None)
-    if stager is None:      # kept with the model: its buffers (pinned ones are slow to make) serve every later save
+    if stager is None or _closed(stager):   # kept with the model: its buffers (pinned: slow to make) serve later saves
         stager = DefaultStager(StagingOptions(use_pinned_memory=engine.device.type == "cuda",
                                               use_shared_memory=False, use_async_staging=True,
                                               use_non_blocking_copy=False))
@@ -486,13 +486,22 @@ def _save_async(state: dict, tmp: Path, path: Path, token: str, engine) -> SaveF
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             cause = err if isinstance(err, CheckpointError) else _first_failure(err)
-            handle.set_exception(CheckpointError(
-                f"ts.save to {path} failed while writing ({cause}): nothing was renamed into place, "
-                f"the previous checkpoint and {LATEST} are unchanged"))
+            failure = CheckpointError(f"ts.save to {path} failed while writing ({cause}): nothing was renamed "
+                                      f"into place, the previous checkpoint and {LATEST} are unchanged")
+            failure.__cause__ = _first_exception(err)     # its traceback, for whoever prints the handle's error
+            handle.set_exception(failure)
 
     engine._tiershard_saving = handle
     threading.Thread(target=finish, name=f"tiershard-save-{path.name}").start()
     return handle
+
+
+def _closed(stager) -> bool:
+    """Whether DCP closed the stager after the save it was given to (torch 2.11 does, 2.13 leaves a stager it did
+    not make open): a closed one has dropped its copy rules and fails on the next save ("KeyError: <class
+    'type'>"), so a new one is made, with new buffers."""
+    inner = getattr(stager, "_state_dict_stager", None)
+    return inner is not None and not getattr(inner, "_deepcopy_dispatch", True)
 
 
 def _versions(state: dict) -> dict[str, tuple[int, int]]:
@@ -646,14 +655,17 @@ def _first_exception(err: BaseException) -> BaseException:
     failures = getattr(err, "failures", None)
     if failures:
         exc = next(iter(failures.values()))
-        return exc[0] if isinstance(exc, tuple) else exc
+        exc = exc[0] if isinstance(exc, tuple) else exc
+        if isinstance(exc, BaseException):
+            return exc
     return err
 
 
 def _first_failure(err: BaseException) -> str:
-    """One line for a DCP failure, which carries every rank's traceback."""
+    """One line for a DCP failure, which carries every rank's traceback: the exception's type and last line."""
     err = _first_exception(err)
-    return str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[-1]}" if text else type(err).__name__
 
 
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:

@@ -51,7 +51,7 @@ __all__ = ["encode_wire", "decode_wire", "decode_wire_sum", "encode_wire_seg", "
 _FUSED_MAX = 4096   # values per block that one program encodes in registers
 _SCALE_TILE = 1024  # values per step when a scale program loops over a large block
 _TILE = 1024        # values per decode / quantize program
-_FLT_MAX = 3.4028234663852886e38
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)  # read inside kernels: globals there must be constexpr
 
 
 @triton.jit
@@ -487,7 +487,7 @@ def decode_wire_sum_seg(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor,
 # takes the absmax of the rotated values, a second quantizes them. int8 values go straight to the wire; int4 values
 # go one a byte to a staging tensor that a second kernel packs (blocks may start on odd values, and no two programs
 # may write one byte).
-_NORM32 = 0.17677669529663687  # fp32(32 ** -0.5)
+_NORM32 = tl.constexpr(0.17677669529663687)  # fp32(32 ** -0.5); read inside kernels: constexpr
 
 
 @triton.jit

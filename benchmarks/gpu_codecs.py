@@ -1,0 +1,152 @@
+"""The codecs on a CUDA GPU: the Triton kernels' bits against the CPU's, then their throughput against memcpy.
+
+Run on a machine with a CUDA GPU and ``triton`` (``pip install tiershard[gpu]``)::
+
+    python benchmarks/gpu_codecs.py                  # bit check, then throughput at 1M, 16M and 64M values
+    python benchmarks/gpu_codecs.py --no-bench       # the bit check alone (exits 1 on any difference)
+
+**Bits.** Every codec the plans use (int8 and int4 at several block sizes, rotated ``:h`` and stochastic ``:sr``,
+flat and with row layouts, fp32, bf16 and fp16 input, odd sizes, nan and inf) is encoded, decoded and summed
+through the wire API once on CUDA tensors (the Triton kernels) and once on CPU tensors (the C kernels, themselves
+checked bit for bit against the torch reference); wire bytes and decoded values must be identical.
+
+**Throughput.** As ``codec_throughput.py`` defines it, for N values split into 8 chunks: GB/s = input bytes /
+time, memcpy is ``y.copy_(x)`` on the GPU, and the last column is memcpy time / (encode + decode time), the
+fraction of copy speed at which the codec's round trip moves the input. Times are CUDA-event medians of
+``--reps`` launches after warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from tiershard.comm.codecs import INT4, INT8, codec_from_spec, kernel_status, same_bits
+
+K = 8
+SPECS = ("int8", "int4", "int4:37", "int8:5000", "int4:6000", "int8:128:h", "int4:128:h", "int4:128:h:sr",
+         "int8:128:h:sr", "int4:37:h:sr", "int8:100:sr")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _input(k: int, n: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    x = torch.randn(k * n, generator=g) * 3
+    if k * n > 100:
+        x[7], x[90], x[95] = float("nan"), 0.0, float("inf")
+        x[40:60] = 0.0
+    return x.to(dtype)
+
+
+def _row_layout(width: int) -> tuple[int, ...]:
+    """A model-like row of ``width`` values: small odd segments (norms, biases) between large ones."""
+    small = (1, 7, 96, 33, 5, 384)
+    rest = width - sum(small)
+    large = [rest // 6] * 5 + [rest - 5 * (rest // 6)]
+    return tuple(w for pair in zip(large, small) for w in pair)
+
+
+def check_bits(device: torch.device) -> int:
+    """Encode, decode and sum on ``device`` and on the CPU; returns the number of cases that differ."""
+    g = torch.Generator().manual_seed(0)
+    cases = [(None, 3, 203), (None, 2, 1), (None, 8, (1 << 17) + 5), ((1, 64, 37, 3, 34), 2, 2 * 139)]
+    cases.append((_row_layout(50_000), 4, 2 * 50_000))
+    failures = checked = 0
+    for spec in SPECS:
+        codec = codec_from_spec(spec)
+        for segments, k, n in cases:
+            for dtype in DTYPES:
+                if segments is not None and n % sum(segments):
+                    continue
+                x = _input(k, n, dtype, g)
+                order = list(range(k))[::-1]
+                seed = 1234 if codec.stochastic else None
+                cpu = codec.encode_wire(x, k, order=order, segments=segments, seed=seed)
+                gpu = codec.encode_wire(x.to(device), k, order=order, segments=segments, seed=seed)
+                problems = []
+                if not torch.equal(gpu.cpu(), cpu):
+                    bad = (gpu.cpu() != cpu).nonzero()
+                    problems.append(f"encode: {bad.numel()} bytes differ, first at {bad[0].item()}")
+                wire = cpu.to(device)
+                for out_dtype in DTYPES:
+                    ref = codec.decode_wire(cpu, k, n, dtype=out_dtype, segments=segments)
+                    got = codec.decode_wire(wire, k, n, dtype=out_dtype, segments=segments)
+                    if not same_bits(got.cpu(), ref):
+                        problems.append(f"decode to {out_dtype}")
+                ref = codec.decode_wire_sum(cpu, k, n, segments=segments)
+                got = codec.decode_wire_sum(wire, k, n, segments=segments)
+                if not same_bits(got.cpu(), ref):
+                    problems.append("decode_wire_sum")
+                checked += 1
+                if problems:
+                    failures += 1
+                    where = "flat" if segments is None else f"{len(segments)} segments"
+                    print(f"DIFFERS {spec} {dtype} k={k} n={n} {where}: {'; '.join(problems)}", flush=True)
+    print(f"bits: {checked} cases, {failures} differ from the CPU", flush=True)
+    return failures
+
+
+def _median_ms(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def bench(device: torch.device, sizes: list[int], reps: int) -> None:
+    codecs = (INT8, INT4, codec_from_spec("int8:128:h"), codec_from_spec("int4:128:h:sr"))
+    print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}; {kernel_status()['cuda']}")
+    print(f"GB/s of input bytes, {K} chunks, median of {reps}; e+d = memcpy time / (encode + decode time)")
+    header = (f"{'values':>9} {'dtype':>8} {'codec':>14} {'layout':>6} {'memcpy':>8} {'encode':>8} {'decode':>8} "
+              f"{'sum':>8} {'e+d/memcpy':>10}")
+    print(header)
+    print("-" * len(header), flush=True)
+    for n in sizes:
+        n = n // (2 * K) * (2 * K)
+        chunk = n // K
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(n, device=device).to(dtype)
+            y, out = torch.empty_like(x), torch.empty_like(x)
+            total = torch.empty(chunk, device=device)
+            order = list(range(K))[::-1]
+            memcpy = _median_ms(lambda: y.copy_(x), reps)
+            for codec in codecs:
+                for layout in ("flat", "rows"):
+                    segments = None if layout == "flat" else _row_layout(chunk // 2)
+                    seed = 7 if codec.stochastic else None
+                    wire = torch.empty(K * codec.wire_bytes(chunk, segments), dtype=torch.uint8, device=device)
+                    enc = _median_ms(lambda: codec.encode_wire(x, K, wire, order, segments, seed=seed), reps)
+                    dec = _median_ms(lambda: codec.decode_wire(wire, K, chunk, out, segments=segments), reps)
+                    tot = _median_ms(lambda: codec.decode_wire_sum(wire, K, chunk, total, segments=segments), reps)
+                    gbs = [n * dtype.itemsize / (ms * 1e6) for ms in (memcpy, enc, dec, tot)]
+                    print(f"{n:>9} {str(dtype)[6:]:>8} {codec.spec:>14} {layout:>6} "
+                          + " ".join(f"{v:>8.1f}" for v in gbs) + f" {100 * memcpy / (enc + dec):>9.0f}%", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", nargs="+", type=int, default=[1 << 20, 1 << 24, 1 << 26])
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--no-bench", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", 0)
+    status = kernel_status()
+    print(f"codec backends: {status}", flush=True)
+    failures = check_bits(device)
+    if not args.no_bench:
+        bench(device, args.sizes, args.reps)
+    return 1 if failures or "triton" not in status["cuda"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
