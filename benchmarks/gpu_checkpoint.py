@@ -44,6 +44,53 @@ def _sync() -> None:
         dist.barrier()
 
 
+def step_peaks(build, batches, device) -> str:
+    """The GPU allocator's peak during a training step and what stays between steps, above what was allocated
+    before the model was built: tiershard's model (``build()``) against FSDP2 ``fully_shard`` (each block, then
+    the root) on the same ranks, model and batches, one model alive at a time."""
+    import gc
+
+    from torch.distributed.fsdp import fully_shard
+
+    from tiershard.train.models import GPT, Block, gpt_config, lm_loss
+
+    def fsdp2():
+        torch.manual_seed(0)
+        ref = GPT(gpt_config("tiny", **SIZES)).to(device)
+        for block in ref.modules():
+            if isinstance(block, Block):
+                fully_shard(block)
+        fully_shard(ref)
+        return ref, torch.optim.AdamW(ref.parameters(), lr=1e-4)
+
+    def peak(make) -> tuple[float, float]:
+        gc.collect()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        m, o = make()
+        for i in range(2):
+            x = batches[i]
+            lm_loss(m(x[:, :-1]), x[:, 1:]).backward()
+            o.step()
+            o.zero_grad()
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - base
+        torch.cuda.reset_peak_memory_stats()
+        x = batches[2]
+        lm_loss(m(x[:, :-1]), x[:, 1:]).backward()
+        o.step()
+        o.zero_grad()
+        torch.cuda.synchronize()
+        top = torch.cuda.max_memory_allocated() - base
+        del m, o
+        return held / MiB, top / MiB
+
+    ts_held, ts_peak = peak(build)
+    ref_held, ref_peak = peak(fsdp2)
+    return (f"step peak (allocated, above the start): tiershard GGG {ts_peak:.0f} MiB (held between steps "
+            f"{ts_held:.0f}), FSDP2 fully_shard {ref_peak:.0f} MiB (held {ref_held:.0f})")
+
+
 def main() -> int:
     import tiershard as ts
     from tiershard.train.models import GPT, Block, gpt_config, lm_loss
@@ -140,6 +187,9 @@ def main() -> int:
     largest = max(sum(p.numel() for p in b.parameters()) for b in model.modules() if isinstance(b, Block)) * 4 / MiB
     report.append(f"GPU peak rise: clip_grad_norm_ {r_clip:.0f} MiB, full_state_dict(cpu_offload, rank0_only) "
                   f"{r_full:.0f} MiB; largest unit {largest:.0f} MiB in fp32")
+    if CUDA:
+        del model, opt
+        report.append(step_peaks(build, batches, device))
     if rank == 0:
         print("\n".join(report), flush=True)
         print("ok" if ok else "FAIL", flush=True)
