@@ -102,6 +102,11 @@ def train_sharded(rank, world, plan, topo, opt_name, param_dtype=None, measure=F
                 formula["optimizer"] += math.prod(local) * 4 * (2 if opt_name == "adamw" else 1)
         result["memory"] = ({k: mem[k] for k in formula}, formula)
     result["state"] = ts.full_state_dict(model)
+    if measure:   # straight to the CPU one parameter at a time, to rank 0 only: the same values
+        offload = ts.full_state_dict(model, rank0_only=True, cpu_offload=True)
+        state = result["state"]
+        result["offload"] = (offload == {} if rank else offload.keys() == state.keys() and all(
+            torch.equal(offload[k], state[k]) and offload[k].device.type == "cpu" for k in state))
     return result
 
 
@@ -171,6 +176,8 @@ def check(results, codes, bf16_codes, sizes, optimizers=("sgd", "adamw")):
             last = res[(code, measured_opt)]
             if last.get("overlap", (True, True)) != (True, True):
                 failures.append(f"{code} rank {rank}: prefetch 2 vs 0 (bit-identical, same bytes) {last['overlap']}")
+            if not last.get("offload", True):
+                failures.append(f"{code} rank {rank}: full_state_dict(rank0_only, cpu_offload) differs")
             if last["stats"] != last["predicted"]:
                 failures.append(f"{code} rank {rank}: comm_stats {last['stats']} != formula {last['predicted']}")
             if _quantized(code):

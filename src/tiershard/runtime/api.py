@@ -418,10 +418,8 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False, cpu_offload: boo
     scratch = torch.empty(max((g.scratch_size(rank0_only) for g in groups), default=0), device=engine.device)
     for group in groups:
         with unit_scope(group.unit):           # named if a rank does not take part ([Note: bounded collectives])
-            values = group.full_values(rank0_only, scratch)
+            values = group.full_values(rank0_only, scratch, torch.device("cpu") if cpu_offload else None)
         for layout, tensor in zip(group.layouts, values):
-            if cpu_offload:
-                tensor = tensor.cpu()
             for name in layout.names:
                 out[name] = tensor
     if keep:

@@ -329,8 +329,18 @@ class FlatGroup:
                    n, band)
         return band
 
-    def _split_full(self, full: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
-        """Scatter a whole (slots x U) matrix into per-parameter tensors of the original shapes: one copy each."""
+    def _split_full(self, full: torch.Tensor, outs: Sequence[torch.Tensor], one_by_one: bool = False) -> None:
+        """Scatter a whole (slots x U) matrix into per-parameter tensors of the original shapes: one copy each.
+        ``one_by_one``: each parameter straight into its tensor (on any device), with no scratch beyond one
+        parameter's padded block."""
+        if one_by_one:
+            columns = full.view(self.W, self.U).split(self.cols, dim=1)
+            for layout, out, block in zip(self.layouts, outs, columns):
+                if layout.exact:
+                    out.view(self.W, layout.cols).copy_(block)
+                else:
+                    out.copy_(layout.band(0, self.W).real(block.contiguous().view(self.W * layout.rows, layout.row)))
+            return
         targets, scratch = [], []
         for layout, out in zip(self.layouts, outs):
             if layout.exact:
@@ -355,32 +365,41 @@ class FlatGroup:
         return layout.band(0, self.W).real(gathered.view(self.W * layout.rows, layout.row))
 
     @torch.no_grad()
-    def full_values(self, rank0_only: bool = False, scratch: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def full_values(self, rank0_only: bool = False, scratch: torch.Tensor | None = None,
+                    device: torch.device | None = None) -> list[torch.Tensor]:
         """Every parameter's full fp32 value: one all-gather of the masters for the group, or with
         ``rank0_only`` one gather to rank 0 (the other ranks get an empty list and hold nothing more).
         ``scratch``: fp32 room for the band and the gathered group (``scratch_size``), reused across groups so
-        that no unit-sized buffer is allocated and freed per group (freed holes stay resident)."""
+        that no unit-sized buffer is allocated and freed per group (freed holes stay resident). ``device``: where
+        the values are made (default: the engine's); on another device each parameter is copied there from the
+        gathered group, so the engine's device never holds a second copy of the group."""
         self.stream.drain()
         length = self.S // self.size(self.level)
         band = self._pack_masters(torch.float32, None if scratch is None else scratch[:length])
         group = self.group(0, self.level)
         if rank0_only and 0 not in group.ranks:
             return []
-        size = self.S if not rank0_only or self.rank == 0 else 0
-        full = torch.empty(size, device=self.device) if scratch is None else scratch[length:length + size]
-        if rank0_only:
-            C.gather_to_first(full, band, group, self.topo, "state_dict")
+        if group.size == 1:                      # the band is the whole group: nothing to gather
+            full = band
         else:
-            C.all_gather(full, band, group, self.topo, "state_dict")
+            size = self.S if not rank0_only or self.rank == 0 else 0
+            full = torch.empty(size, device=self.device) if scratch is None else scratch[length:length + size]
+            if rank0_only:
+                C.gather_to_first(full, band, group, self.topo, "state_dict")
+            else:
+                C.all_gather(full, band, group, self.topo, "state_dict")
         if rank0_only and self.rank != 0:
             return []
-        outs = [torch.empty(layout.shape, device=self.device) for layout in self.layouts]
-        self._split_full(full, outs)
+        outs = [torch.empty(layout.shape, device=device or self.device) for layout in self.layouts]
+        self._split_full(full, outs, one_by_one=device is not None)
         return outs
 
     def scratch_size(self, rank0_only: bool = False) -> int:
         """fp32 elements ``full_values`` works in on this rank."""
-        return self.S // self.size(self.level) + (self.S if not rank0_only or self.rank == 0 else 0)
+        band = self.S // self.size(self.level)
+        if self.group(0, self.level).size == 1:
+            return band
+        return band + (self.S if not rank0_only or self.rank == 0 else 0)
 
     @torch.no_grad()
     def sync_params(self, step: bool = False) -> None:
