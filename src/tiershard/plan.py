@@ -34,7 +34,7 @@ PRESETS = {
     "zero3": "GGG",
     "fsdp": "GGG",
     "hsdp": "III",
-    "zero++": "GGG+hpz+qwz+qgz",
+    "zero++": "GGG+hpz+qwd+qgz",
 }
 QWZ_CODECS = ("int8",)
 QGZ_CODECS = ("int4", "int8")

@@ -11,10 +11,10 @@ from _models import Block, TinyGPT, batches, loss_fn, pattern_batches
 
 PLANS = ["GGG", "GGG+qwz", "GGG+qgz", "zero++", "GGG+hpz+qwz+qgz=int8:128:h/int4:128:h"]
 # Final loss of each plan against exact ZeRO-3's, at most. The default qgz rounds its int4 hop stochastically:
-# unbiased but noisier, on this 50-step toy (width 12, lr 1e-2) zero++ ends 1.7-2.5% above ZeRO-3 over six
-# rounding seeds, where round to nearest ends 1.0% above (on the default job at 600 steps stochastic rounding
-# is the better of the two; docs/zeropp.md).
-BOUND = {"GGG+qwz": 0.02, "GGG+qgz": 0.02, "zero++": 0.03, "GGG+hpz+qwz+qgz=int8:128:h/int4:128:h": 0.02}
+# unbiased but noisier, on this 50-step toy (width 12, lr 1e-2) the earlier preset GGG+hpz+qwz+qgz ended 1.7-2.5%
+# above ZeRO-3 over six rounding seeds, where round to nearest ends 1.0-1.2% above (on the default job at 600
+# steps stochastic rounding is the better of the two; docs/zeropp.md). zero++ (int4 weight differences) 1.1%.
+BOUND = {"GGG+qwz": 0.02, "GGG+qgz": 0.02, "zero++": 0.02, "GGG+hpz+qwz+qgz=int8:128:h/int4:128:h": 0.02}
 STEPS = 50
 
 
@@ -107,14 +107,15 @@ def test_error_feedback_cancels_quantization_error_over_repeated_reductions():
 
 def test_cross_node_volume_zero3_vs_zeropp():
     """benchmarks/zeropp_volume.py's numbers: cross-node bytes per step / nodes / M, measured by comm_stats, equal the
-    closed form; ZeRO-3 is exactly (3 - root share) (n-1)/n (the root is not gathered again for its backward), zero++ at
-    most 0.8 (M = parameters x 2 bytes, bf16)."""
+    closed form; ZeRO-3 is exactly (3 - root share) (n-1)/n (the root is not gathered again for its backward), zero++
+    (int4 weight differences, int8/int4 gradients) at most 0.2x of it (M = parameters x 2 bytes, bf16; 0.13x on 2
+    nodes, 0.16x on 4: this tiny model's short rows cut many partial int4 blocks, each with its own scale)."""
     for world in (4, 8):
         res = run_ranks(cross_node_volume, world, ["zero3", "zero++"])[0]
-        measured, closed, root = res["zero3"]
-        assert measured == closed and abs(measured - (3 - root) * (world - 1) / world) < 1e-9, res
+        zero3, closed, root = res["zero3"]
+        assert zero3 == closed and abs(zero3 - (3 - root) * (world - 1) / world) < 1e-9, res
         measured, closed, _ = res["zero++"]
-        assert measured == closed and measured <= 0.8, res
+        assert measured == closed and measured <= 0.2 * zero3, res
 
 
 def _pipelined_vs_sequential(rank, world, sizes):

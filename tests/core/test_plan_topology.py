@@ -20,7 +20,7 @@ def test_str_round_trips(text):
 
 def test_presets_are_the_known_placements():
     expect = {"ddp": "NNN", "zero1": "NNG", "zero2": "NGG", "zero3": "GGG", "hsdp": "III",
-              "zero++": "GGG+hpz+qwz+qgz"}
+              "zero++": "GGG+hpz+qwd+qgz"}
     for preset, code in expect.items():
         assert str(ts.Plan.parse(preset)) == code
     assert ts.Plan.parse("IIG") == ts.Plan(p="I", g="I", os="G")
@@ -140,7 +140,7 @@ def test_load_full_state_dict_errors_and_partial_load():
 # ---- per-hop qgz specs and plan quality ([Note: qgz specs] in plan.py) ------------------------------------------
 @pytest.mark.parametrize("text, shown", [
     ("GGG+qgz=8/4", "GGG+qgz=8/4"), ("IIG+qgz=int8:128:h/int4:128:h:sr", "IIG+qgz"),
-    ("IIG+qgz=int8:128:h/int4:128:h", "IIG+qgz=int8:128:h/int4:128:h"), ("zero++", "GGG+hpz+qwz+qgz"),
+    ("IIG+qgz=int8:128:h/int4:128:h", "IIG+qgz=int8:128:h/int4:128:h"), ("zero++", "GGG+hpz+qwd+qgz"),
     ("NIG+qgz=int8:64:h/int4:32:h:sr+ef", "NIG+qgz=int8:64:h/int4:32:h:sr+ef"), ("GGG+qgz+ef", "GGG+qgz+ef"),
     ("GGG+qgz=int4", "GGG+qgz=int4"), ("GGG+qgz=4:h", "GGG+qgz=4:h")])
 def test_per_hop_qgz_specs_round_trip(text, shown):
@@ -182,8 +182,9 @@ def test_plans_say_whether_they_are_lossy():
     assert not ts.Plan.parse("IIG").lossy and ts.Plan.parse("IIG").quality(two) == "exact"
     assert ts.Plan.parse("GGG+hpz+cc").quality() == "exact"
     assert ts.Plan.parse("GGG+qwz").lossy and ts.Plan.parse("NIG+qgz=int4").lossy
-    assert ts.Plan.parse("zero++").quality(two) == "lossy: weights int8, gradients int8 (node) / int4 (world)"
-    assert ts.Plan.parse("zero++").quality() == "lossy: weights int8, gradients int8/int4"
+    assert ts.Plan.parse("zero++").quality(two) == \
+        "lossy: weights int4 differences, gradients int8 (node) / int4 (world)"
+    assert ts.Plan.parse("zero++").quality() == "lossy: weights int4 differences, gradients int8/int4"
     assert ts.Plan.parse("NIG+qgz=int4+ef").quality(two) == "lossy: gradients int4 +ef"
     # only the tiers the quantized reductions cross count: IIG+qgz reduce-scatters over node, then world (g < os)
     assert ts.Plan.parse("IIG+qgz=8/4").quality(ts.Topology((2, 4, 8))) == \

@@ -85,7 +85,7 @@ def test_tiers_flag_and_model_options(capsys):
     assert [t["bandwidth"] for t in doc["cluster"]["tiers"]] == [200e9, 50e9, 12.5e9]
     assert doc["cluster"]["tiers"][0]["latency"] == pytest.approx(2e-6)
     assert doc["model"]["params"] == 1_300_000_000 and doc["model"]["trainable"] == 325_000_000
-    assert {p["plan"] for p in doc["plans"]} == {"GGG", "GGG+hpz+qwz+qgz", "IIG", "GGG+hpz=pair"}
+    assert {p["plan"] for p in doc["plans"]} == {"GGG", "GGG+hpz+qwd+qgz", "IIG", "GGG+hpz=pair"}
 
 
 def test_config_file(tmp_path, capsys):

@@ -105,13 +105,17 @@ def test_zero3_moves_3m_and_zeropp_075m_per_node():
     model = ModelSpec.named("18b")
     zero3 = cost.evaluate("zero3", model, v100, Job())
     zpp = cost.evaluate("GGG+hpz+qwz+qgz=int4", model, v100, Job())     # the paper's ZeRO++: int4 on every hop
-    default = cost.evaluate("zero++", model, v100, Job())               # int8 inside a node, int4:128 between
+    int8_weights = cost.evaluate("GGG+hpz+qwz+qgz", model, v100, Job())  # gradients int8 inside a node, int4:128 between
+    default = cost.evaluate("zero++", model, v100, Job())               # the same gradients, int4 weight differences
     # forward gathers, backward gathers (all but the root, which stays gathered for its backward), reduce-scatters
     assert _m(zero3, model) == pytest.approx((3 - model.root_params() / model.params) * 383 / 384, rel=1e-3)
     # 0.5M (int8 payload + 4 B per block) + 0 (hpZ) + 0.25M x 23/24 (int4 payload + 4 B per block of 0.5 B values)
     int8, int4 = 1 + 4 / DEFAULT_BLOCKS[8], 1 + 8 / DEFAULT_BLOCKS[4]
     assert _m(zpp, model) == pytest.approx(0.5 * int8 * 383 / 384 + 0.25 * int4 * 23 / 24, rel=2e-3)
-    assert _m(default, model) == pytest.approx(0.5 * int8 * 383 / 384 + 0.25 * (1 + 8 / 128) * 23 / 24, rel=2e-3)
+    grads = 0.25 * (1 + 8 / 128) * 23 / 24
+    assert _m(int8_weights, model) == pytest.approx(0.5 * int8 * 383 / 384 + grads, rel=2e-3)
+    # qwd: each node gathers the other nodes' int4:2048 differences once per step (its hpZ copy serves the rest)
+    assert _m(default, model) == pytest.approx(0.25 * (1 + 8 / 2048) * 23 / 24 + grads, rel=2e-3)
     payload = 0.5 * 383 / 384 + 0.25 * 23 / 24
     assert payload == pytest.approx(0.75, abs=0.015)      # the paper's 0.75M, which drops the (k-1)/k factors
     assert zpp.step_time < zero3.step_time
@@ -212,7 +216,7 @@ def test_ties_go_to_less_quantization():
     assert not plan.qwz and not plan.qgz
     # a slow network makes quantization worth it
     slow = cost.auto_plan(SEVEN_B, _with_inter(DGX64, 0.5e9), Job(), candidates=["zero3", "zero++"])
-    assert str(slow) == "GGG+hpz+qwz+qgz"
+    assert str(slow) == "GGG+hpz+qwd+qgz"
 
 
 def test_a_model_that_fits_nowhere_raises():

@@ -34,7 +34,7 @@ def test_the_planner_picks_the_fastest_exact_plan_unless_lossy_ones_are_allowed(
         "lossy plans allowed; the fastest that fits is exact"
     # named candidates are ranked as given
     named = cost.auto_estimate(SEVEN_B, SLOW, Job(), candidates=["zero3", "zero++"])
-    assert str(named.plan) == "GGG+hpz+qwz+qgz" and named.reason.startswith("lossy plan named: fastest that fits")
+    assert str(named.plan) == "GGG+hpz+qwd+qgz" and named.reason.startswith("lossy plan named: fastest that fits")
 
 
 def test_lossy_candidates_use_the_per_hop_default():
@@ -44,7 +44,7 @@ def test_lossy_candidates_use_the_per_hop_default():
     assert exact and not any(p.lossy for p in exact)
     assert {str(p) for p in exact} == {str(p) for p in plans if not p.lossy}
     est = cost.evaluate("zero++", SEVEN_B, DGX64, Job()).as_dict()
-    assert est["lossy"] and est["quality"] == "lossy: weights int8, gradients int8 (node) / int4 (world)"
+    assert est["lossy"] and est["quality"] == "lossy: weights int4 differences, gradients int8 (node) / int4 (world)"
 
 
 @pytest.mark.parametrize("sizes", [(2, 4), (2, 4, 8)])
@@ -95,6 +95,6 @@ def test_train_auto_is_exact_unless_allowed(capsys):
     train_cli.check(cfg(allow_lossy=True), topo)
     assert "lossy plan" in capsys.readouterr().out
     train_cli.check(cfg(plan="zero++"), topo)
-    assert "plan zero++ is lossy: weights int8, gradients int8 (node) / int4 (world)" in capsys.readouterr().out
+    assert "plan zero++ is lossy: weights int4 differences, gradients int8 (node) / int4 (world)" in capsys.readouterr().out
     with pytest.raises(ValueError, match="allow_lossy must be true or false"):
         cfg(allow_lossy="yes")

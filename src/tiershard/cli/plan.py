@@ -237,10 +237,12 @@ def render(model: ModelSpec, cluster: Cluster, job: Job, ranked: list[Estimate],
 
 
 def short_quality(e: Estimate) -> str:
-    """``exact``, or ``lossy`` with the bits: ``w8 g8/4`` is int8 weights, int8 then int4 gradients per tier."""
+    """``exact``, or ``lossy`` with the bits: ``w8 g8/4`` is int8 weights, int8 then int4 gradients per tier;
+    ``w4d`` is int4 weight differences (qwd)."""
     if not e.plan.lossy:
         return "exact"
-    weights = " w8" if "weights" in e.quality else ""
+    w = re.search(r"weights int(\d+)( differences)?", e.quality)
+    weights = f" w{w.group(1)}{'d' if w.group(2) else ''}" if w else ""
     grads = e.quality.partition("gradients ")[2]
     bits = "/".join(part.strip()[3] for part in grads.split("/")) if grads else ""
     return f"lossy{weights}{' g' + bits if bits else ''}{' +ef' if e.plan.error_feedback and bits else ''}"
