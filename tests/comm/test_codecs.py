@@ -826,7 +826,7 @@ _TRITON_SCRIPT = textwrap.dedent("""
             assert same_bits(total, codec.decode_wire_sum(ref, k, n, segments=segs)), (codec, segs, dtype)
     # the general path of the rotated and stochastic formats, flat and with a row layout
     from tiershard.comm.codecs import codec_from_spec
-    for spec in ("int8:128:h", "int4:37:h:sr", "int4:64:h", "int8:100:sr"):
+    for spec in ("int8:128:h", "int4:37:h:sr", "int4:64:h", "int8:100:sr", "int4:2048:h:sr", "int8:1500:h"):
         codec = codec_from_spec(spec)
         for segs, k, n in ((None, 3, 203), ((1, 64, 37, 3, 34), 2, 2 * 139)):
             lay = None if segs is None else _layout(codec.block, segs)

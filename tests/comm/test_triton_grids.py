@@ -35,6 +35,7 @@ def launches(monkeypatch):
     fake.cdiv = lambda a, b: -(-a // b)
     fake.__version__ = "stand-in"
     fake.language = types.ModuleType("triton.language")
+    fake.language.constexpr = lambda value: value
     monkeypatch.setitem(sys.modules, "triton", fake)
     monkeypatch.setitem(sys.modules, "triton.language", fake.language)
     monkeypatch.delitem(sys.modules, "tiershard.comm.codecs.triton_kernels", raising=False)

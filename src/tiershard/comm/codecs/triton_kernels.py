@@ -525,6 +525,21 @@ def _rotate_tile(x, t, m, XT: tl.constexpr):
 
 
 @triton.jit
+def _rotate_rows(y, m, GB: tl.constexpr, XT: tl.constexpr):
+    """``_rotate_tile`` of GB blocks at once: row b of y ([GB, XT]) holds block b's first m[b] values."""
+    G: tl.constexpr = XT // 32
+    r = _butterfly(tl.reshape(y, [GB * G, 32]), GB * G, 1)
+    r = _butterfly(r, GB * G, 2)
+    r = _butterfly(r, GB * G, 4)
+    r = _butterfly(r, GB * G, 8)
+    r = _butterfly(r, GB * G, 16)
+    r = r * _NORM32
+    whole = tl.arange(0, G)[None, :] * 32 + 32 <= m[:, None]
+    out = tl.where(whole[:, :, None], tl.reshape(r, [GB, G, 32]), tl.reshape(y, [GB, G, 32]))
+    return tl.reshape(out, [GB, XT])
+
+
+@triton.jit
 def _block_of(tab_ptr, j, nbr, U, n, block, SEG: tl.constexpr):
     """First value and length of block j of a chunk: flat, or by the row layout's table."""
     if SEG:
@@ -582,6 +597,84 @@ def _encode_x(x_ptr, order_ptr, out_ptr, q_ptr, tab_ptr, n, nbr, U, block, W, P4
     _store_scale(row, P4, j, scale)
 
 
+# Blocks that fit one tile (block <= _TILE, every default): GB blocks per program as a [GB, XT] tile, so that a
+# program holds about _TILE values however small the blocks; the same arithmetic per value as _encode_x/_decode_x.
+@triton.jit
+def _encode_xg(x_ptr, order_ptr, out_ptr, q_ptr, tab_ptr, n, nbr, U, block, W, P4, nbt, seed_lo, seed_hi,
+               HAS_ORDER: tl.constexpr, SEG: tl.constexpr, BITS: tl.constexpr, ROTATE: tl.constexpr,
+               SR: tl.constexpr, XT: tl.constexpr, GB: tl.constexpr):
+    jj = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
+    i = tl.program_id(1)
+    valid = jj < nbt
+    j = tl.where(valid, jj, 0)
+    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
+    row = out_ptr + i.to(tl.int64) * W
+    start, m = _block_of(tab_ptr, j, nbr, U, n, block, SEG)
+    m = tl.where(valid, m, 0)
+    QMAX: tl.constexpr = 127 if BITS == 8 else 7
+    offs = tl.arange(0, XT)
+    mask = offs[None, :] < m[:, None]
+    y = tl.load(src + start[:, None] + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ROTATE:
+        y = _rotate_rows(y, m, GB, XT)
+    a = tl.abs(y)
+    amax = tl.max(tl.where(mask, a, 0.0), axis=1)
+    bad = tl.max(tl.where(mask & ~(a <= _FLT_MAX), 1, 0), axis=1) > 0
+    scale = _block_scale(amax, bad, QMAX)
+    ok = scale > 0.0
+    safe = tl.where(ok, scale, 1.0)
+    if SR:
+        lo = seed_lo.to(tl.uint32)
+        hi = seed_hi.to(tl.uint32)
+        rkey = _mix(_mix(_mix(lo ^ tl.full([], 0x243F6A88, tl.uint32)) ^ hi) ^ i.to(tl.uint32))
+        bkey = _mix(rkey ^ j.to(tl.uint32))
+        h = _mix(bkey[:, None] ^ (offs.to(tl.uint32) * tl.full([XT], 0x9E3779B9, tl.uint32))[None, :])
+        u = (h >> 8).to(tl.float32) * 5.960464477539063e-08  # 2**-24
+        q = tl.floor(tl.div_rn(y, safe[:, None]) + u)
+    else:
+        q = _rne(tl.div_rn(y, safe[:, None]))
+    q = tl.where(ok[:, None], tl.minimum(tl.maximum(q, -QMAX), QMAX), 0.0).to(tl.int32)
+    e = start[:, None] + offs[None, :]
+    if BITS == 8:
+        tl.store(row + e, (q & 0xFF).to(tl.uint8), mask=mask)
+    else:
+        tl.store(q_ptr + i.to(tl.int64) * n + e, q.to(tl.int8), mask=mask)
+    tl.store((row + P4).to(tl.pointer_type(tl.float32)) + j, scale, mask=valid)
+
+
+@triton.jit
+def _decode_xg(wire_ptr, out_ptr, tab_ptr, k, n, nbr, U, block, W, P4, nbt, SEG: tl.constexpr, BITS: tl.constexpr,
+               ROTATE: tl.constexpr, SUM: tl.constexpr, XT: tl.constexpr, GB: tl.constexpr):
+    """GB blocks of row i (SUM: of every row, added in row order): dequantize, rotate back, store."""
+    jj = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
+    valid = jj < nbt
+    j = tl.where(valid, jj, 0)
+    start, m = _block_of(tab_ptr, j, nbr, U, n, block, SEG)
+    m = tl.where(valid, m, 0)
+    offs = tl.arange(0, XT)
+    mask = offs[None, :] < m[:, None]
+    e = start[:, None] + offs[None, :]
+    if SUM:
+        row = wire_ptr
+        acc = _unpack(row, e, mask, BITS) * _load_scale(row, P4, j)[:, None]
+        if ROTATE:
+            acc = _rotate_rows(acc, m, GB, XT)
+        for _ in range(1, k):
+            row += W
+            v = _unpack(row, e, mask, BITS) * _load_scale(row, P4, j)[:, None]
+            if ROTATE:
+                v = _rotate_rows(v, m, GB, XT)
+            acc = acc + v
+        tl.store(out_ptr + e, acc, mask=mask)
+    else:
+        i = tl.program_id(1).to(tl.int64)
+        row = wire_ptr + i * W
+        v = _unpack(row, e, mask, BITS) * _load_scale(row, P4, j)[:, None]
+        if ROTATE:
+            v = _rotate_rows(v, m, GB, XT)
+        _store_values(out_ptr + i * n + e, v, mask)
+
+
 @triton.jit
 def _pack4_x(q_ptr, out_ptr, n, P, W, TILE: tl.constexpr):
     """int4 bytes p of wire row i from the staged values 2p, 2p + 1 (the padding nibble 8 past n)."""
@@ -628,6 +721,11 @@ def _x_tile(codec: Codec) -> int:
     return min(max(_pow2(codec.block), 32), _TILE)
 
 
+def _x_group(codec: Codec) -> int:
+    """Blocks per program of the grouped kernels (about _TILE values), or 0 when a block needs several tiles."""
+    return _TILE // _x_tile(codec) if codec.block <= _TILE else 0
+
+
 def encode_wire_x(codec: Codec, x: Tensor, k: int, n: int, out: Tensor, order: Tensor | None, layout,
                   seed: int | None) -> None:
     """``encode_wire`` / ``encode_wire_seg`` for a rotated or stochastic codec (``layout`` None: flat chunks;
@@ -646,9 +744,16 @@ def encode_wire_x(codec: Codec, x: Tensor, k: int, n: int, out: Tensor, order: T
     order_arg = order if has_order else out
     staged = x.new_empty(k * n, dtype=torch.int8) if codec.bits == 4 else out
     key = 0 if seed is None else seed
-    _encode_x[(nbt, k)](x, order_arg, out, staged, tab, n, nbr, U, codec.block, W, P4, key & 0xFFFFFFFF, key >> 32,
-                        HAS_ORDER=has_order, SEG=seg, BITS=codec.bits, ROTATE=codec.rotate, SR=seed is not None,
-                        XT=_x_tile(codec), enable_fp_fusion=False)
+    XT, GB = _x_tile(codec), _x_group(codec)
+    if GB:
+        _encode_xg[(triton.cdiv(nbt, GB), k)](x, order_arg, out, staged, tab, n, nbr, U, codec.block, W, P4, nbt,
+                                              key & 0xFFFFFFFF, key >> 32, HAS_ORDER=has_order, SEG=seg,
+                                              BITS=codec.bits, ROTATE=codec.rotate, SR=seed is not None, XT=XT,
+                                              GB=GB, enable_fp_fusion=False)
+    else:
+        _encode_x[(nbt, k)](x, order_arg, out, staged, tab, n, nbr, U, codec.block, W, P4, key & 0xFFFFFFFF,
+                            key >> 32, HAS_ORDER=has_order, SEG=seg, BITS=codec.bits, ROTATE=codec.rotate,
+                            SR=seed is not None, XT=XT, enable_fp_fusion=False)
     if codec.bits == 4:
         _pack4_x[(triton.cdiv(P, _TILE), k)](staged, out, n, P, W, TILE=_TILE)
 
@@ -665,6 +770,13 @@ def decode_wire_x(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor, layou
     tab = layout.table(wire.device) if seg else wire
     nbr, U = (layout.nbr, layout.U) if seg else (0, 0)
     P4 = codec.padded_payload_bytes(n)
+    XT, GB = _x_tile(codec), _x_group(codec)
+    if GB:
+        blocks = triton.cdiv(nbt, GB)
+        _decode_xg[(blocks,) if sum_rows else (blocks, k)](wire, out, tab, k, n, nbr, U, codec.block, P4 + 4 * nbt,
+                                                            P4, nbt, SEG=seg, BITS=codec.bits, ROTATE=codec.rotate,
+                                                            SUM=sum_rows, XT=XT, GB=GB, enable_fp_fusion=False)
+        return
     grid = (nbt,) if sum_rows else (nbt, k)
     _decode_x[grid](wire, out, tab, k, n, nbr, U, codec.block, P4 + 4 * nbt, P4, SEG=seg, BITS=codec.bits,
-                    ROTATE=codec.rotate, SUM=sum_rows, XT=_x_tile(codec), enable_fp_fusion=False)
+                    ROTATE=codec.rotate, SUM=sum_rows, XT=XT, enable_fp_fusion=False)
