@@ -3,7 +3,7 @@ operation, the unit, the tier and the ranks that did not arrive; and no failed j
 
 One launch of 4 gloo ranks (2 nodes of 2) with a 3 s bound: rank 0 alone calls ts.save while the others call the
 model (both sides fail, each naming the other), then rank 0 alone calls ts.full_state_dict (bound set by the
-environment variable). Killed ranks are in tests/cluster/test_fail_fast_cluster.py.
+environment variable), then rank 0 skips a backward the others run (their reductions wait for it). Killed ranks are in tests/cluster/test_fail_fast_cluster.py.
 """
 from __future__ import annotations
 
@@ -55,6 +55,12 @@ def _skipped_collectives(rank, world, folder):
     out["bound"] = ts.Topology((2, 4)).timeout
     if rank == 0:
         out["state_dict"] = _outcome(lambda: ts.full_state_dict(model))
+    # 3. rank 0 skips backward: the others' first reduction waits for it, and the next unit waits for that one
+    # before making its gradients ([Note: one reduction in flight]); both end within the bound
+    model = ts.shard(TinyGPT(), "NGG", ts.Topology((2, 4), timeout=BOUND), wrap={Block})
+    loss = model(tokens).float().sum()
+    if rank != 0:
+        out["backward"] = _outcome(loss.backward)
     dist.barrier()
     return out
 
@@ -79,6 +85,11 @@ def test_a_skipped_collective_ends_every_waiting_rank_with_its_name(tmp_path, mo
     assert (alone["op"], alone["unit"], alone["tier"], alone["ranks"], alone["missing"]) == \
         ("state_dict", "<root>", "world", (0, 1, 2, 3), (1, 2, 3)), alone
     assert "sent no report" in alone["message"]          # they waited in the user's own barrier
+    for rank in (1, 2, 3):
+        waited = results[rank]["backward"]
+        assert waited["error"] == "CollectiveError", (rank, waited)
+        assert (waited["op"], waited["tier"], waited["missing"]) == ("grad_reduce", "world", (0,)), (rank, waited)
+        assert waited["seconds"] < 30, waited
     # the bound holds (measured: about BOUND); 30 s is far below the default group's 30 minutes
     assert all(r["save"]["seconds"] < 30 for r in results) and alone["seconds"] < 30
 

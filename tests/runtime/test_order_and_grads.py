@@ -3,7 +3,8 @@
 - a forward on rank 0 alone (sample logging under ``torch.no_grad()``, replicated weights) visiting the blocks in
   another order: the next step's collectives must not follow it ([Note: collective order], engine.py);
 - in-place writes to ``param.grad`` between ``ts.no_sync`` micro-steps (``mul_(1.0)``, ``add_(0)``, a scale, an
-  offset) act on the accumulated gradient as under DDP, while ``optimizer.zero_grad()`` still clears it
+  offset, the same through ``param.grad.data``) act on the accumulated gradient as under DDP, while
+  ``optimizer.zero_grad()`` still clears it
   ([Note: gradients between micro-steps], flat.py);
 - an exception in backward while reductions are still on the communication stream, then ``zero_grad()`` and the
   next batch: nothing lands after the clear ([Note: draining before .grad], flat.py).
@@ -141,6 +142,9 @@ def _between(model, opt, what, i):
         else:
             for g in grads:
                 g.add_(0.01).mul_(3.0)
+    elif what == "through_data":                   # old scripts' habit: p.grad.data, unwritten the first time
+        for g in grads:
+            (g.data.mul_(0.5) if i == 0 else g.data.add_(0.01).mul_(2.0))
     elif what == "zero_foreach":
         if i == 1:
             opt.zero_grad(set_to_none=False)       # foreach: torch._foreach_zero_
@@ -243,7 +247,7 @@ def run_all(rank, world):
     for plan, prefetch, before_step in (("NIG", 1, True), ("NGG", 1, False), ("NIG", 0, False)):
         out[("order", plan, prefetch, before_step)] = _order_case(rank, topo, plan, prefetch, before_step)
     for plan, what in (("IIG", "noop"), ("IIG", "scale_offset"), ("IIG", "zero_foreach"), ("IIG", "zero_none"),
-                       ("NNG", "noop"), ("NNG", "scale_offset")):
+                       ("IIG", "through_data"), ("NNG", "noop"), ("NNG", "scale_offset")):
         out[("grad", plan, what)] = _grad_case(rank, topo, plan, what)
     out["unsupported"] = _unsupported_write(rank, topo)
     for plan, no_sync in (("NIG", False), ("IIG", True)):

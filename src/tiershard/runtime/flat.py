@@ -147,6 +147,8 @@ class PendingGrad(DTensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.ops.aten.detach.default and isinstance(args[0], PendingGrad):
+            return _detached(args[0])
         writes = [(a.name, i) for i, a in enumerate(func._schema.arguments)
                   if a.alias_info is not None and a.alias_info.is_write]
         for name, i in writes:
@@ -156,11 +158,28 @@ class PendingGrad(DTensor):
                        for k, t in enumerate(targets)]
             for t, factor in zip(targets, factors):      # every write understood: only now record them
                 if factor is not None:
-                    t.__dict__["_tiershard_scale"] = t.__dict__.get("_tiershard_scale", 1.0) * factor
-                    if t.__dict__.pop("_tiershard_unwritten", False):    # the zeros get memory when written
-                        t._local_tensor = torch.zeros(t._local_tensor.shape, dtype=t._local_tensor.dtype,
-                                                      device=t._local_tensor.device)
+                    owner = t.__dict__.get("_tiershard_owner", t)
+                    owner.__dict__["_tiershard_scale"] = owner.__dict__.get("_tiershard_scale", 1.0) * factor
+                    _materialize(owner)
         return DTensor.__torch_dispatch__(func, types, args, kwargs)
+
+
+def _materialize(grad: PendingGrad) -> None:
+    """Give an unwritten placeholder (one zero expanded to the shard's shape) memory of its own: zeros."""
+    if grad.__dict__.pop("_tiershard_unwritten", False):
+        local = grad._local_tensor
+        grad._local_tensor = torch.zeros(local.shape, dtype=local.dtype, device=local.device)
+
+
+def _detached(grad: PendingGrad) -> PendingGrad:
+    """``grad.detach()`` and ``grad.data``: an alias whose in-place writes are recorded on ``grad`` (old scripts
+    scale ``p.grad.data`` between micro-steps; a plain alias would change the values without the micro-steps
+    accumulated so far, or fail on the expanded zero with torch's overlap error)."""
+    _materialize(grad)
+    alias = DTensor.__torch_dispatch__(torch.ops.aten.detach.default, (DTensor,), (grad,), {})
+    alias.__class__ = PendingGrad
+    alias.__dict__["_tiershard_owner"] = grad.__dict__.get("_tiershard_owner", grad)
+    return alias
 
 
 def _number(value: Any) -> float | None:
