@@ -17,8 +17,10 @@ kernel quantizes per value (int4 odd blocks pair values across two blocks). Deco
 tile of values); the sum loops over the chunks inside each program. Row layouts (``segments``) have their own
 kernels (``*_seg``), driven by the layout's block table: one program per (block, chunk), see below. Rotated and
 stochastic codecs take one general path (``encode_wire_x``, ``decode_wire_x``), flat or with a row layout, parallel
-to the C kernels' ``ts_encode_x`` / ``ts_decode_x``: one program per (block, chunk) loops over the block in tiles of
-whole 32-value groups, rotating them in registers (butterflies by reshape, split and join, in the format's order).
+to the C kernels' ``ts_encode_x`` / ``ts_decode_x``: blocks of up to _TILE values go GB to a program as one [GB, XT]
+tile (``_encode_xg`` / ``_decode_xg``: one program per block of 128 values was too little work for a GPU), larger
+ones one program per (block, chunk) looping over the block in tiles; either way whole 32-value groups are rotated in
+registers (butterflies by reshape, split and join, in the format's order).
 """
 from __future__ import annotations
 
