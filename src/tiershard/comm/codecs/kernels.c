@@ -952,6 +952,44 @@ static inline __attribute__((always_inline)) ts_v8f dq8(const uint8_t* prow, int
     return __builtin_convertvector(q, ts_v8f) * vs;
 }
 #endif
+#if TS_AVX512
+/* A group of 32 values in two 16-lane registers, r0 holding values 0..15, r1 16..31. Stages h = 1, 2, 4, 8 pair
+   lanes of one register: t is the register with each lane's partner (lane ^ h) in its place, and a lane takes r + t
+   (a + b) where bit h of its index is clear, t - r (a - b) where it is set. Stage 16 pairs the registers. Every output
+   is the a + b or a - b of the same two values as the scalar order's, so the bits are the same; per group, 8 shuffles
+   where the 8-lane form needs 20. */
+#define TS_ZSTAGE(R, T, M) do { const __m512 t_ = (T); R = _mm512_mask_sub_ps(_mm512_add_ps(R, t_), (M), t_, R); } while (0)
+static inline __attribute__((always_inline)) void fwht_z(__m512* restrict r0, __m512* restrict r1) {
+    TS_ZSTAGE(*r0, _mm512_permute_ps(*r0, 0xB1), 0xAAAA); TS_ZSTAGE(*r1, _mm512_permute_ps(*r1, 0xB1), 0xAAAA);
+    TS_ZSTAGE(*r0, _mm512_permute_ps(*r0, 0x4E), 0xCCCC); TS_ZSTAGE(*r1, _mm512_permute_ps(*r1, 0x4E), 0xCCCC);
+    TS_ZSTAGE(*r0, _mm512_shuffle_f32x4(*r0, *r0, 0xB1), 0xF0F0);
+    TS_ZSTAGE(*r1, _mm512_shuffle_f32x4(*r1, *r1, 0xB1), 0xF0F0);
+    TS_ZSTAGE(*r0, _mm512_shuffle_f32x4(*r0, *r0, 0x4E), 0xFF00);
+    TS_ZSTAGE(*r1, _mm512_shuffle_f32x4(*r1, *r1, 0x4E), 0xFF00);
+    const __m512 a = *r0, b = *r1, n = _mm512_set1_ps(TS_NORM32);
+    *r0 = _mm512_mul_ps(_mm512_add_ps(a, b), n);
+    *r1 = _mm512_mul_ps(_mm512_sub_ps(a, b), n);
+}
+/* 16 values from x[i] (dt) as fp32 */
+static inline __attribute__((always_inline)) __m512 ld16(const char* x, int dt, int64_t i) {
+    if (dt == DT_F32) return _mm512_loadu_ps((const float*)x + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)x + i));
+    if (dt == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+/* 16 fp32 values to o[i] as dt, or added to fp32 o[i] (the rounding of st8, nan included) */
+static inline __attribute__((always_inline)) void st16x(__m512 f, char* o, int dt, int64_t i, int add) {
+    if (add) { float* of = (float*)o + i; _mm512_storeu_ps(of, _mm512_add_ps(_mm512_loadu_ps(of), f)); }
+    else if (dt == DT_F32) _mm512_storeu_ps((float*)o + i, f);
+    else if (dt == DT_BF16) {
+        const __m512i u = _mm512_castps_si512(f);
+        const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+        const __m512i b = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+        _mm256_storeu_si256((__m256i*)((uint16_t*)o + i), _mm512_cvtepi32_epi16(b));
+    } else _mm256_storeu_si256((__m256i*)((uint16_t*)o + i), _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif
 /* Block of m values at x (dt) into fp32 v, its whole groups rotated (rotate); returns the largest |value| as bits.
    The values stay in x when nothing changes them (fp32, no rotation): *src says where they are. */
 static uint32_t load_block_x(const char* x, int dt, int64_t m, int rotate, float* restrict v, const float** src) {
@@ -959,7 +997,19 @@ static uint32_t load_block_x(const char* x, int dt, int64_t m, int rotate, float
     uint32_t ab = 0;
     *src = v;
     if (rotate) {
-#ifdef TS_VEC
+#if TS_AVX512  /* 16-lane stores, read back by quant_fast_x16's 16-lane loads (a wider load than the store that wrote
+                  it is not forwarded from the store buffer, and stalls) */
+        __m512i a = _mm512_setzero_si512();
+        const __m512i absm = _mm512_set1_epi32(0x7fffffff);
+        for (; g + 32 <= m; g += 32) {
+            __m512 r0 = ld16(x, dt, g), r1 = ld16(x, dt, g + 16);
+            fwht_z(&r0, &r1);
+            a = _mm512_max_epu32(a, _mm512_and_si512(_mm512_castps_si512(r0), absm));
+            a = _mm512_max_epu32(a, _mm512_and_si512(_mm512_castps_si512(r1), absm));
+            _mm512_storeu_ps(v + g, r0); _mm512_storeu_ps(v + g + 16, r1);
+        }
+        ab = _mm512_reduce_max_epu32(a);
+#elif defined(TS_VEC)
         ts_v8u a = {0, 0, 0, 0, 0, 0, 0, 0};
         for (; g + 32 <= m; g += 32) {
             ts_v8f r[4] = {ld8(x, dt, g), ld8(x, dt, g + 8), ld8(x, dt, g + 16), ld8(x, dt, g + 24)};
@@ -1047,6 +1097,59 @@ static int64_t quant_fast_x(const float* restrict v, int64_t m, float scale, int
     return j;
 }
 #endif
+#if TS_AVX512
+/* quant_fast_x on 16 lanes: the same arithmetic per value (the product by fp32(1 / scale), the same distances to
+   the boundaries, the exact quotients for any 32 values with a lane too close). */
+static inline __m512i ts_mix16(__m512i v) {
+    v = _mm512_xor_si512(v, _mm512_srli_epi32(v, 16));
+    v = _mm512_mullo_epi32(v, _mm512_set1_epi32(0x7FEB352D));
+    v = _mm512_xor_si512(v, _mm512_srli_epi32(v, 15));
+    v = _mm512_mullo_epi32(v, _mm512_set1_epi32((int)0x846CA68Bu));
+    return _mm512_xor_si512(v, _mm512_srli_epi32(v, 16));
+}
+static int64_t quant_fast_x16(const float* restrict v, int64_t m, float scale, int bits, int sr, uint32_t bkey,
+                              uint8_t* restrict q) {
+    const int32_t qmax = bits == 8 ? 127 : 7, off = bits == 8 ? 0 : 8;
+    const __m512 vs = _mm512_set1_ps(scale), vy = _mm512_set1_ps(1.f / scale);
+    const __m512 half = _mm512_set1_ps(0.5f), edge = _mm512_set1_ps(0.5f - 0x1p-13f);
+    const __m512i lo = _mm512_set1_epi32(-qmax), hi = _mm512_set1_epi32(qmax), vo = _mm512_set1_epi32(off);
+    const __m512i gold16 = _mm512_set1_epi32((int)(16u * 0x9E3779B9u)), key = _mm512_set1_epi32((int)bkey);
+    __m512i jg = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                    _mm512_set1_epi32((int)0x9E3779B9u));
+    int64_t j = 0;
+    for (; j + 32 <= m; j += 32) {
+        __m512 x[2], w[2], u[2];
+        __mmask16 near = 0;
+        for (int c = 0; c < 2; c++) {
+            x[c] = _mm512_loadu_ps(v + j + 16 * c);
+            const __m512 t = _mm512_mul_ps(x[c], vy);
+            if (!sr) {
+                w[c] = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                near |= _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(t, w[c])), edge, _CMP_GE_OQ);
+            } else {
+                u[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(ts_mix16(_mm512_xor_si512(key, jg)), 8)),
+                                     _mm512_set1_ps(0x1p-24f));
+                jg = _mm512_add_epi32(jg, gold16);
+                const __m512 y = _mm512_add_ps(t, u[c]);
+                w[c] = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+                near |= _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(_mm512_sub_ps(y, w[c]), half)), edge,
+                                           _CMP_GE_OQ);
+            }
+        }
+        if (near)  /* rare: the exact quotients */
+            for (int c = 0; c < 2; c++)
+                w[c] = sr ? _mm512_roundscale_ps(_mm512_add_ps(_mm512_div_ps(x[c], vs), u[c]),
+                                                 _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+                          : _mm512_roundscale_ps(_mm512_div_ps(x[c], vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        for (int c = 0; c < 2; c++) {  /* |q| <= qmax + 1: clamped (stochastic), then q + off fits a byte */
+            __m512i p = _mm512_cvttps_epi32(w[c]);
+            if (sr) p = _mm512_min_epi32(_mm512_max_epi32(p, lo), hi);
+            _mm_storeu_si128((__m128i*)(q + j + 16 * c), _mm512_cvtepi32_epi8(_mm512_add_epi32(p, vo)));
+        }
+    }
+    return j;
+}
+#endif
 /* Block of m fp32 values (rotated already) whose largest |value| has the bits ab: its scale, and q + off as bytes
    into q. Stochastic rounding draws u from the block's key bkey and each value's offset j. */
 static float quant_block_x(const float* restrict v, int64_t m, uint32_t ab, int bits, int sr, uint32_t bkey,
@@ -1056,7 +1159,9 @@ static float quant_block_x(const float* restrict v, int64_t m, uint32_t ab, int 
     const float scale = ab >= 0x7f800000u ? NAN : amax / (float)qmax;
     if (!(scale > 0.f)) { memset(q, off, (size_t)m); return scale; }
     int64_t j0 = 0;
-#if defined(__AVX2__)
+#if TS_AVX512
+    if (scale >= 0x1p-126f) j0 = quant_fast_x16(v, m, scale, bits, sr, bkey, q);
+#elif defined(__AVX2__)
     if (scale >= 0x1p-126f) j0 = quant_fast_x(v, m, scale, bits, sr, bkey, q);
 #endif
     if (!sr) {
@@ -1081,6 +1186,17 @@ static inline void block_at(const int64_t* bs, int64_t nbr, int64_t U, int64_t b
     if (!bs) { *s = J * block; *m = (*s + block < n ? *s + block : n) - *s; return; }
     const int64_t r = J / nbr, b = J - r * nbr;
     *s = r * U + bs[b]; *m = bs[b + 1] - bs[b];
+}
+/* Blocks J0, J0 + 1, ... in turn, as block_at gives them, without a division per block. */
+typedef struct { const int64_t* bs; int64_t nbr, U, block, n, r, b; } ts_cursor;
+static inline ts_cursor cursor_at(const int64_t* bs, int64_t nbr, int64_t U, int64_t block, int64_t n, int64_t J0) {
+    ts_cursor c = {bs, nbr, U, block, n, bs ? J0 / nbr : 0, bs ? J0 % nbr : J0};
+    return c;
+}
+static inline void cursor_next(ts_cursor* c, int64_t* s, int64_t* m) {
+    if (!c->bs) { *s = c->b * c->block; *m = (*s + c->block < c->n ? *s + c->block : c->n) - *s; c->b++; return; }
+    *s = c->r * c->U + c->bs[c->b]; *m = c->bs[c->b + 1] - c->bs[c->b];
+    if (++c->b == c->nbr) { c->b = 0; c->r++; }
 }
 /* Units of work: [first block, end block) of unit u, and the first value of each. */
 static void unit_blocks(const int64_t* bs, int64_t nbr, int64_t U, int64_t block, int64_t n, int64_t u,
@@ -1120,8 +1236,9 @@ int ts_encode_x(const void* x, int dt, int64_t n, int64_t k, const int64_t* orde
         uint8_t* qs = bits == 4 ? (uint8_t*)malloc((size_t)(e - s0 + 1)) : NULL;
         if (!v || (bits == 4 && !qs)) { free(v); free(qs); failed = 1; continue; }
         const uint32_t rkey = ts_row_key(seed, i);
+        ts_cursor cur = cursor_at(bs, nbr, U, block, n, J0);
         for (int64_t J = J0; J < J1; J++) {
-            block_at(bs, nbr, U, block, n, J, &s, &m);
+            cursor_next(&cur, &s, &m);
             const float* src;
             const uint32_t ab = load_block_x(xc + s * es, dt, m, rotate, v, &src);
             const float scale = quant_block_x(src, m, ab, bits, sr, ts_mix(rkey ^ (uint32_t)J),
@@ -1131,7 +1248,14 @@ int ts_encode_x(const void* x, int dt, int64_t n, int64_t k, const int64_t* orde
         if (bits == 4) {
             int64_t cnt = e - s0;
             if (cnt & 1) qs[cnt++] = 8;  /* odd n: the last high nibble holds 0 */
-            for (int64_t p = 0; p < cnt / 2; p++) prow[s0 / 2 + p] = (uint8_t)(qs[2 * p] | (qs[2 * p + 1] << 4));
+            int64_t p = 0;
+#if TS_AVX512  /* 64 staged values to 32 bytes: lo + 16 hi per pair (both < 16), then the low byte of each sum */
+            const __m512i pair = _mm512_set1_epi16(0x1001);
+            for (; p + 32 <= cnt / 2; p += 32)
+                _mm256_storeu_si256((__m256i*)(prow + s0 / 2 + p),
+                                    _mm512_cvtepi16_epi8(_mm512_maddubs_epi16(_mm512_loadu_si512(qs + 2 * p), pair)));
+#endif
+            for (; p < cnt / 2; p++) prow[s0 / 2 + p] = (uint8_t)(qs[2 * p] | (qs[2 * p + 1] << 4));
         }
         free(v); free(qs);
     }
@@ -1145,6 +1269,31 @@ static void decode_block_x(const uint8_t* prow, const uint8_t* scrow, int64_t J,
     char* ob = o + s * es;
     int64_t g = 0;
     if (rotate) {
+#if TS_AVX512
+        const __m512 zs = _mm512_set1_ps(scale);
+        for (; g + 32 <= m; g += 32) {
+            __m512i q0, q1;
+            if (bits == 8) {
+                q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(prow + s + g)));
+                q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(prow + s + g + 16)));
+            } else {  /* lo: values p, p + 2, ..., hi: p + 1, p + 3, ...; from 16 bytes, or 17 when p is odd */
+                const int64_t p = s + g;
+                const __m128i m4 = _mm_set1_epi8(15), b = _mm_loadu_si128((const __m128i*)(prow + p / 2));
+                __m128i lo, hi;
+                if (!(p & 1)) { lo = _mm_and_si128(b, m4); hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4); }
+                else {
+                    lo = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+                    hi = _mm_and_si128(_mm_loadu_si128((const __m128i*)(prow + p / 2 + 1)), m4);
+                }
+                const __m128i e8 = _mm_set1_epi8(8);
+                q0 = _mm512_cvtepi8_epi32(_mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), e8));
+                q1 = _mm512_cvtepi8_epi32(_mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), e8));
+            }
+            __m512 r0 = _mm512_mul_ps(_mm512_cvtepi32_ps(q0), zs), r1 = _mm512_mul_ps(_mm512_cvtepi32_ps(q1), zs);
+            fwht_z(&r0, &r1);
+            st16x(r0, ob, dt, g, add); st16x(r1, ob, dt, g + 16, add);
+        }
+#endif
 #ifdef TS_VEC
         const ts_v8f vs = {scale, scale, scale, scale, scale, scale, scale, scale};
         for (; g + 32 <= m; g += 32) {
@@ -1195,12 +1344,14 @@ int ts_decode_x(const uint8_t* pay, int64_t pstride, const uint8_t* sc, int64_t 
         unit_blocks(bs, nbr, U, block, n, u, &J0, &J1);
         float* v = (float*)malloc((size_t)(4 * block));
         if (!v) { failed = 1; continue; }
-        for (int64_t i = i0; i < i1; i++)  /* row order, as the reference adds */
+        for (int64_t i = i0; i < i1; i++) {  /* row order, as the reference adds */
+            ts_cursor cur = cursor_at(bs, nbr, U, block, n, J0);
             for (int64_t J = J0; J < J1; J++) {
-                block_at(bs, nbr, U, block, n, J, &s, &m);
+                cursor_next(&cur, &s, &m);
                 decode_block_x(pay + i * pstride, sc + i * sstride, J, s, m, bits, rotate, v,
                                sum ? (char*)out : (char*)out + i * ostride * es, sum ? DT_F32 : dt, sum && i > 0);
             }
+        }
         free(v);
     }
     return failed ? -4 : 0;
