@@ -3,7 +3,8 @@ operation, the unit, the tier and the ranks that did not arrive; and no failed j
 
 One launch of 4 gloo ranks (2 nodes of 2) with a 3 s bound: rank 0 alone calls ts.save while the others call the
 model (both sides fail, each naming the other), then rank 0 alone calls ts.full_state_dict (bound set by the
-environment variable), then rank 0 skips a backward the others run (their reductions wait for it). Killed ranks are in tests/cluster/test_fail_fast_cluster.py.
+environment variable), then rank 0 alone calls ts.save(async_save=True), then rank 0 skips a backward the others
+run (their reductions wait for it). Killed ranks are in tests/cluster/test_fail_fast_cluster.py.
 """
 from __future__ import annotations
 
@@ -55,7 +56,13 @@ def _skipped_collectives(rank, world, folder):
     out["bound"] = ts.Topology((2, 4)).timeout
     if rank == 0:
         out["state_dict"] = _outcome(lambda: ts.full_state_dict(model))
-    # 3. rank 0 skips backward: the others' first reduction waits for it, and the next unit waits for that one
+    # 3. `if rank == 0: ts.save(..., async_save=True)`: the call itself fails within the bound, not its background
+    model = ts.shard(TinyGPT(), "GGG", ts.Topology((2, 4), timeout=BOUND), wrap={Block})
+    if rank == 0:
+        out["async_save"] = _outcome(lambda: ts.save(f"{folder}/async", model, async_save=True))
+    else:
+        out["async_save"] = _outcome(lambda: model(tokens))
+    # 4. rank 0 skips backward: the others' first reduction waits for it, and the next unit waits for that one
     # before making its gradients ([Note: one reduction in flight]); both end within the bound
     model = ts.shard(TinyGPT(), "NGG", ts.Topology((2, 4), timeout=BOUND), wrap={Block})
     loss = model(tokens).float().sum()
@@ -85,7 +92,11 @@ def test_a_skipped_collective_ends_every_waiting_rank_with_its_name(tmp_path, mo
     assert (alone["op"], alone["unit"], alone["tier"], alone["ranks"], alone["missing"]) == \
         ("state_dict", "<root>", "world", (0, 1, 2, 3), (1, 2, 3)), alone
     assert "sent no report" in alone["message"]          # they waited in the user's own barrier
+    lone = results[0]["async_save"]
+    assert lone["error"] == "CollectiveError" and lone["op"] == "save" and lone["missing"] == (1, 2, 3), lone
     for rank in (1, 2, 3):
+        assert results[rank]["async_save"]["error"] == "CollectiveError", results[rank]["async_save"]
+        assert results[rank]["async_save"]["seconds"] < 30 and lone["seconds"] < 30
         waited = results[rank]["backward"]
         assert waited["error"] == "CollectiveError", (rank, waited)
         assert (waited["op"], waited["tier"], waited["missing"]) == ("grad_reduce", "world", (0,)), (rank, waited)
