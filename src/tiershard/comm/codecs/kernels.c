@@ -1221,9 +1221,25 @@ int ts_encode_x(const void* x, int dt, int64_t n, int64_t k, const int64_t* orde
     const int64_t es = dt == DT_F32 ? 4 : 2, P = bits == 8 ? n : (n + 1) / 2;
     for (int64_t i = 0; i < k && ppad > 0; i++) memset(pay + i * pstride + P, 0, (size_t)ppad);
     const int64_t nu = unit_count(bs, nbr, U, block, n), total = k * nu;
+    int64_t span = 0;  /* values of the largest unit (the first: units differ only in the last one's length) */
+    if (total > 0) {
+        int64_t J0, J1, s0, s, m;
+        unit_blocks(bs, nbr, U, block, n, 0, &J0, &J1);
+        block_at(bs, nbr, U, block, n, J0, &s0, &m);
+        block_at(bs, nbr, U, block, n, J1 - 1, &s, &m);
+        span = s + m - s0;
+    }
     int failed = 0;
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if(nthreads > 1 && total > 1)
+    #pragma omp parallel num_threads(nthreads) if(nthreads > 1 && total > 1)
+    {  /* scratch once per thread and call, not per unit: freed blocks of a thread's arena are trimmed and fault
+          back in on the next allocation */
+    float* v = (float*)malloc((size_t)(4 * block));
+    uint8_t* qs = bits == 4 ? (uint8_t*)malloc((size_t)(span + 1)) : NULL;
+    const int ok = v && (bits == 8 || qs);
+    if (!ok) failed = 1;
+    #pragma omp for schedule(static)
     for (int64_t t = 0; t < total; t++) {
+        if (!ok) continue;
         const int64_t i = t / nu, u = t % nu, c = order ? order[i] : i;
         const char* xc = (const char*)x + c * n * es;
         uint8_t* prow = pay + i * pstride;
@@ -1232,9 +1248,6 @@ int ts_encode_x(const void* x, int dt, int64_t n, int64_t k, const int64_t* orde
         block_at(bs, nbr, U, block, n, J0, &s0, &m);
         block_at(bs, nbr, U, block, n, J1 - 1, &s, &m);
         e = s + m;
-        float* v = (float*)malloc((size_t)(4 * block));
-        uint8_t* qs = bits == 4 ? (uint8_t*)malloc((size_t)(e - s0 + 1)) : NULL;
-        if (!v || (bits == 4 && !qs)) { free(v); free(qs); failed = 1; continue; }
         const uint32_t rkey = ts_row_key(seed, i);
         ts_cursor cur = cursor_at(bs, nbr, U, block, n, J0);
         for (int64_t J = J0; J < J1; J++) {
@@ -1257,7 +1270,8 @@ int ts_encode_x(const void* x, int dt, int64_t n, int64_t k, const int64_t* orde
 #endif
             for (; p < cnt / 2; p++) prow[s0 / 2 + p] = (uint8_t)(qs[2 * p] | (qs[2 * p + 1] << 4));
         }
-        free(v); free(qs);
+    }
+    free(v); free(qs);
     }
     return failed ? -4 : 0;
 }
@@ -1337,13 +1351,16 @@ int ts_decode_x(const uint8_t* pay, int64_t pstride, const uint8_t* sc, int64_t 
     if (sum && k == 0) { memset(out, 0, (size_t)(n * 4)); return 0; }
     const int64_t nu = unit_count(bs, nbr, U, block, n), total = sum ? nu : k * nu, es = dt == DT_F32 ? 4 : 2;
     int failed = 0;
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if(nthreads > 1 && total > 1)
+    #pragma omp parallel num_threads(nthreads) if(nthreads > 1 && total > 1)
+    {  /* scratch once per thread and call (see ts_encode_x) */
+    float* v = (float*)malloc((size_t)(4 * block));
+    if (!v) failed = 1;
+    #pragma omp for schedule(static)
     for (int64_t t = 0; t < total; t++) {
+        if (!v) continue;
         const int64_t i0 = sum ? 0 : t / nu, u = sum ? t : t % nu, i1 = sum ? k : i0 + 1;
         int64_t J0, J1, s, m;
         unit_blocks(bs, nbr, U, block, n, u, &J0, &J1);
-        float* v = (float*)malloc((size_t)(4 * block));
-        if (!v) { failed = 1; continue; }
         for (int64_t i = i0; i < i1; i++) {  /* row order, as the reference adds */
             ts_cursor cur = cursor_at(bs, nbr, U, block, n, J0);
             for (int64_t J = J0; J < J1; J++) {
@@ -1352,7 +1369,8 @@ int ts_decode_x(const uint8_t* pay, int64_t pstride, const uint8_t* sc, int64_t 
                                sum ? (char*)out : (char*)out + i * ostride * es, sum ? DT_F32 : dt, sum && i > 0);
             }
         }
-        free(v);
+    }
+    free(v);
     }
     return failed ? -4 : 0;
 }
