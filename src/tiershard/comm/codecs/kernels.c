@@ -235,6 +235,7 @@ static void fill_nan(void* o, int64_t m, int dt) {
     if (dt == DT_F32) { float* of = (float*)o; for (int64_t i = 0; i < m; i++) of[i] = NAN; }
     else { uint16_t v = dt == DT_BF16 ? 0x7fc0 : 0x7e00, *oh = (uint16_t*)o; for (int64_t i = 0; i < m; i++) oh[i] = v; }
 }
+/* 16 fp32 values to o[i] as dt (bf16 rounded to nearest even, nan to 0x7fc0, as f32_to_bf16), or added to fp32 o[i] */
 TS_INLINE void st16(__m512 f, void* o, int dt, int64_t i, int add) {
     if (add) { float* of = (float*)o + i; _mm512_storeu_ps(of, _mm512_add_ps(_mm512_loadu_ps(of), f)); }
     else if (dt == DT_F32) _mm512_storeu_ps((float*)o + i, f);
@@ -242,7 +243,8 @@ TS_INLINE void st16(__m512 f, void* o, int dt, int64_t i, int add) {
         __m512i u = _mm512_castps_si512(f);
         __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
                                                        _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
-        _mm256_storeu_si256((__m256i*)((uint16_t*)o + i), _mm512_cvtepi32_epi16(r));  /* f is never nan here */
+        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+        _mm256_storeu_si256((__m256i*)((uint16_t*)o + i), _mm512_cvtepi32_epi16(r));
     } else _mm256_storeu_si256((__m256i*)((uint16_t*)o + i), _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 /* int4 decodes through a 16-entry table per block, (nibble - 8) * scale: the same single fp32 multiply per value as
@@ -977,18 +979,6 @@ static inline __attribute__((always_inline)) __m512 ld16(const char* x, int dt, 
     if (dt == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     return _mm512_cvtph_ps(h);
 }
-/* 16 fp32 values to o[i] as dt, or added to fp32 o[i] (the rounding of st8, nan included) */
-static inline __attribute__((always_inline)) void st16x(__m512 f, char* o, int dt, int64_t i, int add) {
-    if (add) { float* of = (float*)o + i; _mm512_storeu_ps(of, _mm512_add_ps(_mm512_loadu_ps(of), f)); }
-    else if (dt == DT_F32) _mm512_storeu_ps((float*)o + i, f);
-    else if (dt == DT_BF16) {
-        const __m512i u = _mm512_castps_si512(f);
-        const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
-                                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
-        const __m512i b = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-        _mm256_storeu_si256((__m256i*)((uint16_t*)o + i), _mm512_cvtepi32_epi16(b));
-    } else _mm256_storeu_si256((__m256i*)((uint16_t*)o + i), _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
 #endif
 /* Block of m values at x (dt) into fp32 v, its whole groups rotated (rotate); returns the largest |value| as bits.
    The values stay in x when nothing changes them (fp32, no rotation): *src says where they are. */
@@ -1207,6 +1197,15 @@ static void unit_blocks(const int64_t* bs, int64_t nbr, int64_t U, int64_t block
     else g = group_blocks(block);
     *J0 = u * g; *J1 = (u + 1) * g < nb ? (u + 1) * g : nb;
 }
+/* Unit u's blocks [J0, J1) and the values [s0, e) they cover. */
+static void unit_extent(const int64_t* bs, int64_t nbr, int64_t U, int64_t block, int64_t n, int64_t u,
+                        int64_t* J0, int64_t* J1, int64_t* s0, int64_t* e) {
+    int64_t s, m;
+    unit_blocks(bs, nbr, U, block, n, u, J0, J1);
+    block_at(bs, nbr, U, block, n, *J0, s0, &m);
+    block_at(bs, nbr, U, block, n, *J1 - 1, &s, &m);
+    *e = s + m;
+}
 static int64_t unit_count(const int64_t* bs, int64_t nbr, int64_t U, int64_t block, int64_t n) {
     int64_t J0, J1; unit_blocks(bs, nbr, U, block, n, 0, &J0, &J1);
     const int64_t nb = bs ? n / U * nbr : (n + block - 1) / block, g = J1 - J0;
@@ -1223,11 +1222,9 @@ int ts_encode_x(const void* x, int dt, int64_t n, int64_t k, const int64_t* orde
     const int64_t nu = unit_count(bs, nbr, U, block, n), total = k * nu;
     int64_t span = 0;  /* values of the largest unit (the first: units differ only in the last one's length) */
     if (total > 0) {
-        int64_t J0, J1, s0, s, m;
-        unit_blocks(bs, nbr, U, block, n, 0, &J0, &J1);
-        block_at(bs, nbr, U, block, n, J0, &s0, &m);
-        block_at(bs, nbr, U, block, n, J1 - 1, &s, &m);
-        span = s + m - s0;
+        int64_t J0, J1, s0, e;
+        unit_extent(bs, nbr, U, block, n, 0, &J0, &J1, &s0, &e);
+        span = e - s0;
     }
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) if(nthreads > 1 && total > 1)
@@ -1244,10 +1241,7 @@ int ts_encode_x(const void* x, int dt, int64_t n, int64_t k, const int64_t* orde
         const char* xc = (const char*)x + c * n * es;
         uint8_t* prow = pay + i * pstride;
         int64_t J0, J1, s0, e, s, m;
-        unit_blocks(bs, nbr, U, block, n, u, &J0, &J1);
-        block_at(bs, nbr, U, block, n, J0, &s0, &m);
-        block_at(bs, nbr, U, block, n, J1 - 1, &s, &m);
-        e = s + m;
+        unit_extent(bs, nbr, U, block, n, u, &J0, &J1, &s0, &e);
         const uint32_t rkey = ts_row_key(seed, i);
         ts_cursor cur = cursor_at(bs, nbr, U, block, n, J0);
         for (int64_t J = J0; J < J1; J++) {
@@ -1305,7 +1299,7 @@ static void decode_block_x(const uint8_t* prow, const uint8_t* scrow, int64_t J,
             }
             __m512 r0 = _mm512_mul_ps(_mm512_cvtepi32_ps(q0), zs), r1 = _mm512_mul_ps(_mm512_cvtepi32_ps(q1), zs);
             fwht_z(&r0, &r1);
-            st16x(r0, ob, dt, g, add); st16x(r1, ob, dt, g + 16, add);
+            st16(r0, ob, dt, g, add); st16(r1, ob, dt, g + 16, add);
         }
 #endif
 #ifdef TS_VEC
