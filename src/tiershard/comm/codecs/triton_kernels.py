@@ -503,6 +503,29 @@ def _mix(v):
 
 
 @triton.jit
+def _block_key(seed_lo, seed_hi, i, j):
+    """The stochastic-rounding key of block(s) j of wire row i (the format's hash of the seed, the row, the block)."""
+    rkey = _mix(_mix(_mix(seed_lo.to(tl.uint32) ^ tl.full([], 0x243F6A88, tl.uint32)) ^ seed_hi.to(tl.uint32))
+                ^ i.to(tl.uint32))
+    return _mix(rkey ^ j.to(tl.uint32))
+
+
+@triton.jit
+def _quantize_x(y, scale, offs, bkey, QMAX: tl.constexpr, SR: tl.constexpr):
+    """q of fp32 values y with their block's scale, as int32: round half to even, or (SR) floor(y / scale + u) with u
+    from the block key and each value's offset in its block; clamped; 0 where the scale is zero or not finite."""
+    ok = scale > 0.0
+    safe = tl.where(ok, scale, 1.0)
+    if SR:
+        h = _mix(bkey ^ (offs.to(tl.uint32) * tl.full(offs.shape, 0x9E3779B9, tl.uint32)))
+        u = (h >> 8).to(tl.float32) * 5.960464477539063e-08  # 2**-24
+        q = tl.floor(tl.div_rn(y, safe) + u)
+    else:
+        q = _rne(tl.div_rn(y, safe))
+    return tl.where(ok, tl.minimum(tl.maximum(q, -QMAX), QMAX), 0.0).to(tl.int32)
+
+
+@triton.jit
 def _butterfly(x, G: tl.constexpr, H: tl.constexpr):
     """One stage of the 32-point transform on [G, 32] values: p and p + H (p & H == 0) -> a + b, a - b."""
     v = tl.permute(tl.reshape(x, [G, 32 // (2 * H), 2, H]), (0, 1, 3, 2))
@@ -572,26 +595,14 @@ def _encode_x(x_ptr, order_ptr, out_ptr, q_ptr, tab_ptr, n, nbr, U, block, W, P4
         amax = tl.maximum(amax, tl.where(mask, a, 0.0))
         bad = bad + tl.where(mask & ~(a <= _FLT_MAX), 1, 0)
     scale = _block_scale(tl.max(amax, axis=0), tl.max(bad, axis=0) > 0, QMAX)
-    ok = scale > 0.0
-    safe = tl.where(ok, scale, 1.0)
-    if SR:
-        lo = seed_lo.to(tl.uint32)
-        hi = seed_hi.to(tl.uint32)
-        rkey = _mix(_mix(_mix(lo ^ tl.full([], 0x243F6A88, tl.uint32)) ^ hi) ^ i.to(tl.uint32))
-        bkey = _mix(rkey ^ j.to(tl.uint32))
+    bkey = _block_key(seed_lo, seed_hi, i, j) if SR else 0
     for t in range(0, m, XT):
         offs = t + tl.arange(0, XT)
         mask = offs < m
         y = tl.load(src + start + offs, mask=mask, other=0.0).to(tl.float32)
         if ROTATE:
             y = _rotate_tile(y, t, m, XT)
-        if SR:
-            h = _mix(bkey ^ (offs.to(tl.uint32) * tl.full([XT], 0x9E3779B9, tl.uint32)))
-            u = (h >> 8).to(tl.float32) * 5.960464477539063e-08  # 2**-24
-            q = tl.floor(tl.div_rn(y, safe) + u)
-        else:
-            q = _rne(tl.div_rn(y, safe))
-        q = tl.where(ok, tl.minimum(tl.maximum(q, -QMAX), QMAX), 0.0).to(tl.int32)
+        q = _quantize_x(y, scale, offs, bkey, QMAX, SR)
         if BITS == 8:
             tl.store(row + start + offs, (q & 0xFF).to(tl.uint8), mask=mask)
         else:
@@ -623,19 +634,8 @@ def _encode_xg(x_ptr, order_ptr, out_ptr, q_ptr, tab_ptr, n, nbr, U, block, W, P
     amax = tl.max(tl.where(mask, a, 0.0), axis=1)
     bad = tl.max(tl.where(mask & ~(a <= _FLT_MAX), 1, 0), axis=1) > 0
     scale = _block_scale(amax, bad, QMAX)
-    ok = scale > 0.0
-    safe = tl.where(ok, scale, 1.0)
-    if SR:
-        lo = seed_lo.to(tl.uint32)
-        hi = seed_hi.to(tl.uint32)
-        rkey = _mix(_mix(_mix(lo ^ tl.full([], 0x243F6A88, tl.uint32)) ^ hi) ^ i.to(tl.uint32))
-        bkey = _mix(rkey ^ j.to(tl.uint32))
-        h = _mix(bkey[:, None] ^ (offs.to(tl.uint32) * tl.full([XT], 0x9E3779B9, tl.uint32))[None, :])
-        u = (h >> 8).to(tl.float32) * 5.960464477539063e-08  # 2**-24
-        q = tl.floor(tl.div_rn(y, safe[:, None]) + u)
-    else:
-        q = _rne(tl.div_rn(y, safe[:, None]))
-    q = tl.where(ok[:, None], tl.minimum(tl.maximum(q, -QMAX), QMAX), 0.0).to(tl.int32)
+    bkey = _block_key(seed_lo, seed_hi, i, j)[:, None] if SR else 0
+    q = _quantize_x(y, scale[:, None], offs[None, :], bkey, QMAX, SR)
     e = start[:, None] + offs[None, :]
     if BITS == 8:
         tl.store(row + e, (q & 0xFF).to(tl.uint8), mask=mask)
