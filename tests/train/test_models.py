@@ -105,6 +105,31 @@ def test_bf16_linear_on_cpu_matches_torchs_bf16_product():
     torch.testing.assert_close(y32, torch.nn.functional.linear(x.float(), ours.weight.float(), ours.bias.float()))
 
 
+@pytest.mark.parametrize("bias, shape", [(True, (2, 9, 48)), (False, (7, 48))])
+def test_bf16_linear_keeps_only_bf16_operands_for_backward(bias, shape):
+    """[Note: bf16 products on a CPU]: backward keeps the bf16 input and the weight itself, not fp32 copies of
+    them (which held an fp32 copy of every gathered weight from forward to backward), and its gradients are
+    bit-equal to autograd's through ``F.linear(x.float(), w.float())``."""
+    from tiershard.train.models.gpt import Linear
+    torch.manual_seed(0)
+    ours = Linear(48, 80, bias=bias).bfloat16()
+    x = torch.randn(*shape, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(*shape[:-1], 80, dtype=torch.bfloat16)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = ours(x)
+    assert saved and all(t.dtype == torch.bfloat16 for t in saved)
+    assert any(t is ours.weight for t in saved)
+    y.backward(g)
+    x32, w32 = x.detach().clone().requires_grad_(), ours.weight.detach().clone().requires_grad_()
+    b32 = ours.bias.detach().clone().requires_grad_() if bias else None
+    ref = torch.nn.functional.linear(x32.float(), w32.float(), b32.float() if bias else None).bfloat16()
+    ref.backward(g)
+    pairs = [(y, ref), (x.grad, x32.grad), (ours.weight.grad, w32.grad)] + ([(ours.bias.grad, b32.grad)] if bias else [])
+    for a, b in pairs:
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
 def test_presets_and_overrides():
     assert PRESETS["tiny"].n_layer == 2 and PRESETS["tiny"].n_embd == 32 and PRESETS["tiny"].vocab_size == 256
     small = GPT(PRESETS["small"]).num_params()
