@@ -209,6 +209,11 @@ class Unit:
 
     def reduce(self, index: int) -> None:
         group = self.groups[index]
+        if all(g.trainable and (r or i == index) for i, (r, g) in enumerate(zip(self.reduced, self.groups))):
+            # [Note: weights free before the gradient matrix] every parameter's gradient is complete, so no
+            # backward step left uses the unit's weights: free them before the matrix is made, as FSDP2 reshards
+            # before its reduce-scatter (a frozen group's weights may still serve an input gradient: kept)
+            self.release()
         with torch.profiler.record_function(f"tiershard::reduce[{self.path}]"):
             group.reduce(boundary=self.engine.sync_grads)
             if not self.engine.overlap:

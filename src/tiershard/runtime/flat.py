@@ -632,16 +632,24 @@ class FlatGroup:
                 pieces.append(layout.band(0, self.W).padded_flat(grad))
         full = torch.empty(self.S, dtype=self.reduce_dtype, device=self.device)
         _chunk_cat(pieces, self.W, full)
-        self._reducing = self.stream.submit(self._reduce_matrix, full, boundary, unit=self.unit, bound="reduce")
+        del pieces
+        self._reducing = self.stream.submit(self._reduce_matrix, [full], boundary, unit=self.unit, bound="reduce")
 
-    def _reduce_matrix(self, full: torch.Tensor, boundary: bool) -> None:
-        """(On the stream.) Reduce-scatter to level g, accumulate, and at the boundary finish at level os."""
+    def _reduce_matrix(self, matrix: list[torch.Tensor], boundary: bool) -> None:
+        """(On the stream.) Reduce-scatter to level g, accumulate, and at the boundary finish at level os.
+        ``matrix`` holds the gradient matrix; on a CPU it is dropped once reduced (the collective has returned),
+        so it is not alive through the accumulation and the boundary's collectives (on CUDA the job keeps it
+        until the device is past it)."""
         pl = self.pl
+        full = matrix[0]
         # the DDP mean: divide by the world size before an fp16 sum can overflow, else while accumulating
         early = self.reduce_dtype == torch.float16
         if early:
             full.div_(self.W)
         reduced = full if pl.g == 0 else self._reduce_scatter(full, 0, pl.g, "grad_reduce")
+        del full
+        if self.device.type == "cpu":
+            matrix.clear()
         scale = 1.0 if early else 1.0 / self.W
         if self.grad_acc is None:      # a fresh buffer either way: adopt it
             self.grad_acc = reduced.to(torch.float32)
@@ -728,6 +736,7 @@ class FlatGroup:
             out = acc                  # trip through reduce_dtype would only round the accumulation)
         else:
             buf = acc.to(self.reduce_dtype)
+            del acc         # not alive beside the fp32 result made below
             if pl.g < pl.os:
                 out = self._reduce_scatter(buf, pl.g, pl.os, "grad_sync")
                 self._all_reduce(out, pl.os, top, "grad_sync")
