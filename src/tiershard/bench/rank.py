@@ -126,16 +126,21 @@ def _warm_paths(runners: Sequence[str], ranks_per_node: int) -> None:
 
 def _watch_memory(trainer) -> dict:
     """For one of our plans: ``ts.memory_stats`` just before every optimizer step (gradients present, the peaks of
-    gathered weights over that step) with the optimizer states just after it, and the cost model's exact
-    breakdown (``cost.memory.breakdown``) for the same moment; the returned dict fills as the warm-up steps run."""
+    gathered weights over that step) with the optimizer states just after it, the largest fp32 gradient
+    accumulators seen at the start of a micro-step (those of the micro-steps before it), and the cost model's
+    exact breakdown (``cost.memory.breakdown``, ``accumulator_bytes``) for the same moments; the returned dict
+    fills as the warm-up steps run."""
     import tiershard as ts
 
-    from ..cost.memory import breakdown, engine_layouts
+    from ..cost.memory import accumulator_bytes, breakdown, engine_layouts
 
     model, optimizer = trainer.runner.model, trainer.runner.optimizer
     engine = model._tiershard
-    args = (engine.placement, engine_layouts(engine), engine.topology.rank, PARAM_BYTES)
-    seen: dict = {"states": breakdown(*args, 2, engine.prefetch, trainer.setup.micro_steps)}
+    layouts = engine_layouts(engine)
+    args = (engine.placement, layouts, engine.topology.rank, PARAM_BYTES)
+    between = trainer.setup.micro_steps > 1
+    seen: dict = {"states": breakdown(*args, 2, engine.prefetch, trainer.setup.micro_steps), "accumulators": 0,
+                  "predicted_accumulators": accumulator_bytes(engine.placement, layouts) if between else 0}
 
     def before_step(opt, a, kw):
         seen["measured"] = ts.memory_stats(model, optimizer, reset_peaks=True)
@@ -143,7 +148,12 @@ def _watch_memory(trainer) -> dict:
 
     def after_step(opt, a, kw):
         seen["optimizer_after_step"] = ts.memory_stats(model, optimizer)["optimizer_states"]
-    seen["handles"] = [optimizer.register_step_pre_hook(before_step), optimizer.register_step_post_hook(after_step)]
+
+    def before_forward(module, inputs):
+        held = sum(g.grad_acc.untyped_storage().nbytes() for g in engine.groups() if g.grad_acc is not None)
+        seen["accumulators"] = max(seen["accumulators"], held)
+    seen["handles"] = [optimizer.register_step_pre_hook(before_step), optimizer.register_step_post_hook(after_step),
+                       model.register_forward_pre_hook(before_forward)]
     return seen
 
 

@@ -284,9 +284,10 @@ def summarize(cfg: BenchConfig, systems: list[System], ranks: list[dict], accum:
 
 def _memory_columns(per_rank: list[dict | None], spec, job) -> dict:
     """Our plans' memory beside the peak RSS, each the largest over ranks: the measured breakdown
-    (``ts.memory_stats`` before the last warm-up step's optimizer step), the model states of that step at its
-    fullest (with the optimizer states after it), and the predicted model states (the cost model's exact
-    ``breakdown``, optimizer states included) plus activations (``cost.memory.activations``)."""
+    (``ts.memory_stats`` before the last warm-up step's optimizer step), the model states of that step at their
+    fullest (with the optimizer states after it, and the level-g accumulators between micro-steps where they
+    outgrow the gradients), and the same predicted: the cost model's exact ``breakdown`` and
+    ``accumulator_bytes``, plus its activations (``cost.memory.activations``)."""
     from ..cost.memory import activations
     from ..runtime.api import BREAKDOWN
 
@@ -295,12 +296,16 @@ def _memory_columns(per_rank: list[dict | None], spec, job) -> dict:
         return {}
     measured = {k: max(m["measured"][k] for m in seen) for k in seen[0]["measured"]}
     predicted = {k: max(m["predicted"][k] for m in seen) for k in seen[0]["predicted"]}
-    # the step at its fullest: gradients (before the step) and optimizer states (after it) together
+    # the step at its fullest: gradients (before the step), or the accumulators between micro-steps where
+    # larger, and optimizer states (after it) together
     held = max(m["measured"]["model_states"] - m["measured"]["optimizer_states"] + m["optimizer_after_step"]
-               for m in seen)
-    states = max(sum(m["states"][k] for k in BREAKDOWN[:6]) for m in seen)
+               - m["measured"]["gradients"] + max(m["measured"]["gradients"], m["accumulators"]) for m in seen)
+    states = max(sum(m["states"][k] for k in BREAKDOWN[:6]) - m["states"]["gradients"]
+                 + max(m["states"]["gradients"], m["predicted_accumulators"]) for m in seen)
     return {"memory": measured, "predicted_memory": predicted, "states_bytes": held,
-            "predicted_states_bytes": states, "predicted_activation_bytes": activations(spec, job)}
+            "predicted_states_bytes": states, "predicted_activation_bytes": activations(spec, job),
+            "accumulator_bytes": max(m["accumulators"] for m in seen),
+            "predicted_accumulator_bytes": max(m["predicted_accumulators"] for m in seen)}
 
 
 def bench_check(results: dict) -> list[dict]:

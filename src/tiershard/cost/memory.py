@@ -185,6 +185,13 @@ def breakdown(pl: Placement, groups: Sequence[GroupLayout], rank: int, param_byt
     return out
 
 
+def accumulator_bytes(pl: Placement, groups: Sequence[GroupLayout]) -> int:
+    """Bytes of the fp32 gradient accumulators at level g that every trainable group holds between micro-steps
+    (``FlatGroup.grad_acc``: the rank's level-g chunk of the (slots x U) matrix); with one micro-step they live
+    only while a unit's reduction runs."""
+    return sum(4 * (g.numel // pl.size(pl.g)) for g in groups if g.trainable)
+
+
 def _grad_elements(bands, params, slots: int, shards: list[int]) -> int:
     """Elements of the masters' gradient storage after the boundary: the level-os band (views of it, one slot)
     or one block per parameter, with a copy for a shard whose real rows are picked by index. Accumulating
