@@ -22,7 +22,7 @@ def _cc_pipeline(rank, world, sizes):
     hops = lambda k: topo.group_for(rank, k - 1, k)     # noqa: E731
     buf = torch.randn(topo.world_size * 3 * H.MIN_CHUNK, generator=torch.Generator().manual_seed(rank))
     ts.reset_comm_stats()
-    shard = H.reduce_scatter(buf, 0, top, hops, topo, "grad_reduce")
+    shard = H.reduce_scatter(buf.clone(), 0, top, hops, topo, "grad_reduce")     # the input is spent
     full = torch.empty_like(buf)
     H.all_gather(full, shard, 0, top, hops, topo, "param_gather")
     sent = ts.comm_stats()["ops"]

@@ -62,7 +62,8 @@ def all_gather(out: torch.Tensor, shard: torch.Tensor, group: "TierGroup", topol
 
 def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: "TierGroup", topology: "Topology",
                    op: str) -> None:
-    """``out`` receives the sum over members of the slot of ``full`` that this rank owns."""
+    """``out`` receives the sum over members of the slot of ``full`` that this rank owns. ``full`` is spent: on
+    gloo its values are the ring's scratch afterwards (every caller reduces a buffer of its own)."""
     if group.size == 1:
         out.copy_(full)
         return
@@ -77,21 +78,20 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: "TierGroup", to
 
 
 def _ring_reduce_scatter(out: torch.Tensor, by_rank: torch.Tensor, group: "TierGroup", rank: int) -> None:
-    """k-1 steps: pass a partial sum to the ring successor, add this rank's part of what arrives; after the last
-    step the partial sum in hand is the whole sum of this rank's chunk."""
+    """k-1 steps: pass a partial sum to the ring successor and add what arrives into this rank's next chunk of
+    ``by_rank``, which serves as the scratch (one chunk-sized receive buffer besides); after the last step this
+    rank's own chunk holds the whole sum. The sums are the ones a fresh buffer would make (a + b = b + a)."""
     k, me = group.size, group.ranks.index(rank)
     chunks = by_rank.view(k, -1)
     after, before = group.ranks[(me + 1) % k], group.ranks[(me - 1) % k]
-    send = chunks[(me - 1) % k].clone()
-    recv = torch.empty_like(send)
+    recv = torch.empty_like(chunks[0])
     for step in range(k - 1):
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, after, group.pg),
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, chunks[(me - step - 1) % k], after, group.pg),
                                         dist.P2POp(dist.irecv, recv, before, group.pg)])
         for work in works:
             work.wait()
-        recv += chunks[(me - step - 2) % k]
-        send, recv = recv, send
-    out.copy_(send)
+        chunks[(me - step - 2) % k] += recv
+    out.copy_(chunks[me])
 
 
 def gather_to_first(out: torch.Tensor, shard: torch.Tensor, group: "TierGroup", topology: "Topology",

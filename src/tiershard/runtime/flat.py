@@ -482,11 +482,15 @@ class FlatGroup:
             if cached is not None and cached[0] == self.weights_version:
                 level, source = h, cached[1]
                 break
-        if level == pl.p and source is None:
-            source = self._pack_masters(self.param_dtype)
         # the matrix is allocated here, by the thread that frees it after the copy-out: on CPUs a buffer made by
         # the communication thread would come from (and stay in) that thread's own malloc arena
         full = None if replicated else torch.empty(self.S, dtype=self.param_dtype, device=self.device)
+        if level == pl.p and source is None:
+            # a plain all-gather reads this rank's band from its own slot of the matrix, as FSDP2's all-gather
+            # input is a view of its output: packed there, no band beside the matrix
+            in_place = (full is not None and not rebuild and not self.cc and self.group(0, level).in_rank_order
+                        and (exact or (self.qwz is None and self.qwd is None)))
+            source = self._pack_masters(self.param_dtype, full[slice(*self.chunk_range(level))] if in_place else None)
         future = self.stream.submit(self._gather_matrix, op, exact, level, source, self.weights_version, full,
                                     rebuild, unit=self.unit)
         self._gathering = (future, exact)
