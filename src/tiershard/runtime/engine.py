@@ -10,7 +10,9 @@
     output grad hook    gather for backward and use the working tensors; the first one queues the end of
                         backward
     working .grad ready (post-accumulate hook of each trainable working tensor) when every one of the group's
-                        tensors has its gradient: reduce to level g, at the boundary on to level os
+                        tensors has its gradient: reduce to level g, at the boundary on to level os; when that
+                        completes every group of a unit with no frozen group, release first ([Note: weights
+                        free before the gradient matrix])
     _PostBackward       the gradient of the unit's inputs is computed, so its weights are no longer needed:
                         release, masters back in place (a unit whose inputs need no gradient is released once
                         its trainable groups are reduced: frozen layers below the first adapter)
@@ -210,9 +212,10 @@ class Unit:
     def reduce(self, index: int) -> None:
         group = self.groups[index]
         if all(g.trainable and (r or i == index) for i, (r, g) in enumerate(zip(self.reduced, self.groups))):
-            # [Note: weights free before the gradient matrix] every parameter's gradient is complete, so no
-            # backward step left uses the unit's weights: free them before the matrix is made, as FSDP2 reshards
-            # before its reduce-scatter (a frozen group's weights may still serve an input gradient: kept)
+            # [Note: weights free before the gradient matrix] every parameter's gradient is complete (autograd
+            # accumulates a leaf's gradient once all its uses are done), so no backward step left uses the unit's
+            # weights: free them before the matrix is made, as FSDP2 reshards before its reduce-scatter. A frozen
+            # group's weights may still serve an input gradient: such a unit waits for _PostBackward.
             self.release()
         with torch.profiler.record_function(f"tiershard::reduce[{self.path}]"):
             group.reduce(boundary=self.engine.sync_grads)
