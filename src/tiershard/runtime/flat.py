@@ -489,7 +489,7 @@ class FlatGroup:
             # a plain all-gather reads this rank's band from its own slot of the matrix, as FSDP2's all-gather
             # input is a view of its output: packed there, no band beside the matrix
             in_place = (full is not None and not rebuild and not self.cc and self.group(0, level).in_rank_order
-                        and (exact or (self.qwz is None and self.qwd is None)))
+                        and self._plain_gather(exact, level))
             source = self._pack_masters(self.param_dtype, full[slice(*self.chunk_range(level))] if in_place else None)
         future = self.stream.submit(self._gather_matrix, op, exact, level, source, self.weights_version, full,
                                     rebuild, unit=self.unit)
@@ -519,6 +519,11 @@ class FlatGroup:
         self.gather_start(op, exact)
         self.gather_finish()
 
+    def _plain_gather(self, exact: bool, level: int) -> bool:
+        """Whether a gather from ``level`` all-gathers the band as it is: no qwd differences (against the level-p
+        band) and no qwz encoding."""
+        return exact or (self.qwz is None and (self.qwd is None or level != self.pl.p))
+
     def _gather_matrix(self, op: str, exact: bool, level: int, source: torch.Tensor, version: int,
                        full: torch.Tensor | None, rebuild: bool = False):
         """(On the stream.) The whole (slots x U) matrix of the weights, and the hpz bands it leaves behind;
@@ -530,10 +535,10 @@ class FlatGroup:
                 self._split_full(level_p, self.aliases)    # tensors here, so rebuilds issued early hold no copy
                 return None, version
         encoded = None
-        if self.qwd is not None and not exact and level == pl.p:
-            self._gather_differences(full, source, version, op)
-        elif self.qwz is None or exact:
+        if self._plain_gather(exact, level):
             self._all_gather(full, source, 0, level, op)
+        elif self.qwd is not None and level == pl.p:
+            self._gather_differences(full, source, version, op)
         else:
             chunks, numel = self.size(pl.p), self.S // self.size(pl.p)
             if level == pl.p:
