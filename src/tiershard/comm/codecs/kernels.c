@@ -803,8 +803,10 @@ int ts_decode_seg(const uint8_t* pay, int64_t pstride, const uint8_t* sc, int64_
    start on even values (flat: group_blocks; layouts: whole rows, an even number when U is odd), so int4 bytes are
    staged one value a byte per unit and packed without two threads sharing a byte. */
 #define TS_NORM32 0.17677669529663687f  /* fp32(32 ** -0.5) */
+/* The counter hash's steps, for a uint32_t or a vector of them (GCC/clang vector types take the same operators). */
+#define TS_MIX(v) do { v ^= v >> 16; v *= 0x7FEB352Du; v ^= v >> 15; v *= 0x846CA68Bu; v ^= v >> 16; } while (0)
 static inline uint32_t ts_mix(uint32_t v) {
-    v ^= v >> 16; v *= 0x7FEB352Du; v ^= v >> 15; v *= 0x846CA68Bu; v ^= v >> 16;
+    TS_MIX(v);
     return v;
 }
 static inline uint32_t ts_row_key(uint64_t seed, int64_t i) {
@@ -1035,12 +1037,11 @@ static uint32_t load_block_x(const char* x, int dt, int64_t m, int rotate, float
    all of them and give the same q; the distances are computed exactly. Any 32 values with a lane closer than that
    (about one in a hundred) are quantized with the exact division instead. Normal scales only: 1 / scale is then
    normal too (scale <= FLT_MAX / qmax < 2**126). */
+typedef uint32_t ts_u32x8 __attribute__((vector_size(32)));
 static inline __m256i ts_mix8(__m256i v) {
-    v = _mm256_xor_si256(v, _mm256_srli_epi32(v, 16));
-    v = _mm256_mullo_epi32(v, _mm256_set1_epi32(0x7FEB352D));
-    v = _mm256_xor_si256(v, _mm256_srli_epi32(v, 15));
-    v = _mm256_mullo_epi32(v, _mm256_set1_epi32((int)0x846CA68Bu));
-    return _mm256_xor_si256(v, _mm256_srli_epi32(v, 16));
+    ts_u32x8 u = (ts_u32x8)v;
+    TS_MIX(u);
+    return (__m256i)u;
 }
 /* q + off of values [0, m - m % 32) of v (scale normal and finite); returns how many it did. */
 static int64_t quant_fast_x(const float* restrict v, int64_t m, float scale, int bits, int sr, uint32_t bkey,
@@ -1090,12 +1091,11 @@ static int64_t quant_fast_x(const float* restrict v, int64_t m, float scale, int
 #if TS_AVX512
 /* quant_fast_x on 16 lanes: the same arithmetic per value (the product by fp32(1 / scale), the same distances to
    the boundaries, the exact quotients for any 32 values with a lane too close). */
+typedef uint32_t ts_u32x16 __attribute__((vector_size(64)));
 static inline __m512i ts_mix16(__m512i v) {
-    v = _mm512_xor_si512(v, _mm512_srli_epi32(v, 16));
-    v = _mm512_mullo_epi32(v, _mm512_set1_epi32(0x7FEB352D));
-    v = _mm512_xor_si512(v, _mm512_srli_epi32(v, 15));
-    v = _mm512_mullo_epi32(v, _mm512_set1_epi32((int)0x846CA68Bu));
-    return _mm512_xor_si512(v, _mm512_srli_epi32(v, 16));
+    ts_u32x16 u = (ts_u32x16)v;
+    TS_MIX(u);
+    return (__m512i)u;
 }
 static int64_t quant_fast_x16(const float* restrict v, int64_t m, float scale, int bits, int sr, uint32_t bkey,
                               uint8_t* restrict q) {
