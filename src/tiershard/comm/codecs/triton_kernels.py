@@ -610,6 +610,37 @@ def _encode_x(x_ptr, order_ptr, out_ptr, q_ptr, tab_ptr, n, nbr, U, block, W, P4
     _store_scale(row, P4, j, scale)
 
 
+@triton.jit
+def _decoded(row, P4, e, mask, j, m, t, BITS: tl.constexpr, ROTATE: tl.constexpr, XT: tl.constexpr,
+             GB: tl.constexpr):
+    """One wire row's values e, rotated back: an [XT] tile at offset t of block j (GB == 0), or GB blocks at once
+    ([GB, XT], j a [GB, 1] column, m their lengths)."""
+    v = _dequant_seg(row, P4, e, mask, j, BITS)
+    if ROTATE:
+        if GB == 0:
+            v = _rotate_tile(v, t, m, XT)
+        else:
+            v = _rotate_rows(v, m, GB, XT)
+    return v
+
+
+@triton.jit
+def _decode_tile(wire_ptr, out_ptr, k, n, W, P4, e, mask, j, m, t, BITS: tl.constexpr, ROTATE: tl.constexpr,
+                 SUM: tl.constexpr, XT: tl.constexpr, GB: tl.constexpr):
+    """Store the values e of row i (SUM: of every row, added in row order), as ``_decoded`` gives them."""
+    if SUM:
+        row = wire_ptr
+        acc = _decoded(row, P4, e, mask, j, m, t, BITS, ROTATE, XT, GB)
+        for _ in range(1, k):
+            row += W
+            acc = acc + _decoded(row, P4, e, mask, j, m, t, BITS, ROTATE, XT, GB)
+        tl.store(out_ptr + e, acc, mask=mask)
+    else:
+        i = tl.program_id(1).to(tl.int64)
+        _store_values(out_ptr + i * n + e, _decoded(wire_ptr + i * W, P4, e, mask, j, m, t, BITS, ROTATE, XT, GB),
+                      mask)
+
+
 # Blocks that fit one tile (block <= _TILE, every default): GB blocks per program as a [GB, XT] tile, so that a
 # program holds about _TILE values however small the blocks; the same arithmetic per value as _encode_x/_decode_x.
 @triton.jit
@@ -656,25 +687,7 @@ def _decode_xg(wire_ptr, out_ptr, tab_ptr, k, n, nbr, U, block, W, P4, nbt, SEG:
     offs = tl.arange(0, XT)
     mask = offs[None, :] < m[:, None]
     e = start[:, None] + offs[None, :]
-    if SUM:
-        row = wire_ptr
-        acc = _unpack(row, e, mask, BITS) * _load_scale(row, P4, j)[:, None]
-        if ROTATE:
-            acc = _rotate_rows(acc, m, GB, XT)
-        for _ in range(1, k):
-            row += W
-            v = _unpack(row, e, mask, BITS) * _load_scale(row, P4, j)[:, None]
-            if ROTATE:
-                v = _rotate_rows(v, m, GB, XT)
-            acc = acc + v
-        tl.store(out_ptr + e, acc, mask=mask)
-    else:
-        i = tl.program_id(1).to(tl.int64)
-        row = wire_ptr + i * W
-        v = _unpack(row, e, mask, BITS) * _load_scale(row, P4, j)[:, None]
-        if ROTATE:
-            v = _rotate_rows(v, m, GB, XT)
-        _store_values(out_ptr + i * n + e, v, mask)
+    _decode_tile(wire_ptr, out_ptr, k, n, W, P4, e, mask, j[:, None], m, 0, BITS, ROTATE, SUM, XT, GB)
 
 
 @triton.jit
@@ -699,24 +712,7 @@ def _decode_x(wire_ptr, out_ptr, tab_ptr, k, n, nbr, U, block, W, P4, SEG: tl.co
         offs = t + tl.arange(0, XT)
         mask = offs < m
         e = start + offs
-        if SUM:
-            row = wire_ptr
-            acc = _dequant_seg(row, P4, e, mask, j, BITS)
-            if ROTATE:
-                acc = _rotate_tile(acc, t, m, XT)
-            for _ in range(1, k):
-                row += W
-                v = _dequant_seg(row, P4, e, mask, j, BITS)
-                if ROTATE:
-                    v = _rotate_tile(v, t, m, XT)
-                acc = acc + v
-            tl.store(out_ptr + e, acc, mask=mask)
-        else:
-            i = tl.program_id(1).to(tl.int64)
-            v = _dequant_seg(wire_ptr + i * W, P4, e, mask, j, BITS)
-            if ROTATE:
-                v = _rotate_tile(v, t, m, XT)
-            _store_values(out_ptr + i * n + e, v, mask)
+        _decode_tile(wire_ptr, out_ptr, k, n, W, P4, e, mask, j, m, t, BITS, ROTATE, SUM, XT, 0)
 
 
 def _x_tile(codec: Codec) -> int:
