@@ -826,9 +826,10 @@ _TRITON_SCRIPT = textwrap.dedent("""
             assert same_bits(total, codec.decode_wire_sum(ref, k, n, segments=segs)), (codec, segs, dtype)
     # the general path of the rotated and stochastic formats, flat and with a row layout
     from tiershard.comm.codecs import codec_from_spec
-    for spec in ("int8:128:h", "int4:37:h:sr", "int4:64:h", "int8:100:sr", "int4:2048:h:sr", "int8:1500:h"):
+    for spec in ("int8:128:h", "int4:37:h:sr", "int4:64:h", "int8:100:sr", "int4:2048:h:sr", "int8:1500:h",
+                 "int4:128:h:sr", "int4:30:sr"):
         codec = codec_from_spec(spec)
-        for segs, k, n in ((None, 3, 203), ((1, 64, 37, 3, 34), 2, 2 * 139)):
+        for segs, k, n in ((None, 3, 203), ((1, 64, 37, 3, 34), 2, 2 * 139), ((2, 130, 64, 4), 2, 3 * 200)):
             lay = None if segs is None else _layout(codec.block, segs)
             x = (torch.randn(k * n, generator=g) * 3).to(torch.bfloat16)
             x[7], x[95] = float("nan"), float("inf")

@@ -300,11 +300,23 @@ def decode_wire_sum(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor) -> 
 
 @triton.jit
 def _seg_block(tab_ptr, j, nbr, U):
-    """First value (in the chunk) and length of block j."""
-    r = j // nbr
-    b = j - r * nbr
+    """First value (in the chunk) and length of block j. The division is in 32 bits (a chunk's block indices fit:
+    ``_seg_blocks``): a 64-bit one is a long software routine on a GPU, and the grouped kernels divide once per block
+    in every thread (rows 2-3x slower than flat chunks on an H200 before)."""
+    j32 = j.to(tl.int32)
+    r = j32 // nbr
+    b = j32 - r * nbr
     lo = tl.load(tab_ptr + b)
-    return r * U + lo, tl.load(tab_ptr + b + 1) - lo
+    return r.to(tl.int64) * U + lo, tl.load(tab_ptr + b + 1) - lo
+
+
+def _seg_blocks(layout, n: int) -> int:
+    """Blocks in a chunk of n values with a row layout; below 2**31, as ``_seg_block`` requires."""
+    nbt = n // layout.U * layout.nbr
+    if nbt >= 1 << 31:
+        raise ValueError(f"a chunk of {n} values has {nbt} blocks, more than the GPU kernels index (2**31 - 1): "
+                         f"use a larger block or split the collective")
+    return nbt
 
 
 @triton.jit
@@ -431,7 +443,7 @@ def encode_wire_seg(codec: Codec, x: Tensor, k: int, n: int, out: Tensor, order:
                     layout) -> None:
     """``encode_wire`` for chunks cut by a row layout (``format._Layout``): blocks never span two segments."""
     P, P4 = codec.payload_numel(n), codec.padded_payload_bytes(n)
-    nbt = n // layout.U * layout.nbr
+    nbt = _seg_blocks(layout, n)
     W = P4 + 4 * nbt
     if P4 > P:
         out.view(k, W)[:, P:P4].zero_()
@@ -458,7 +470,7 @@ def _seg_tile(codec: Codec) -> int:
 
 def decode_wire_seg(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor, layout) -> None:
     """``decode_wire`` for chunks cut by a row layout: one program per (block, chunk, tile of the block)."""
-    nbt = n // layout.U * layout.nbr
+    nbt = _seg_blocks(layout, n)
     if nbt == 0 or k == 0:
         return
     tile = _seg_tile(codec)
@@ -473,7 +485,7 @@ def decode_wire_sum_seg(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor,
     if k == 0:
         out.zero_()
         return
-    nbt = n // layout.U * layout.nbr
+    nbt = _seg_blocks(layout, n)
     if nbt == 0:
         return
     tile = _seg_tile(codec)
@@ -486,10 +498,21 @@ def decode_wire_sum_seg(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor,
 # ---- rotated and stochastic formats (format.py: "Rotation", "Stochastic rounding") ----------------------------
 # Parallel to kernels.c's ts_encode_x / ts_decode_x. One program per (block, chunk), blocks on grid axis 0; the
 # block is read in tiles of XT values (a multiple of 32, so rotation groups never straddle two tiles): a first pass
-# takes the absmax of the rotated values, a second quantizes them. int8 values go straight to the wire; int4 values
-# go one a byte to a staging tensor that a second kernel packs (blocks may start on odd values, and no two programs
-# may write one byte).
+# takes the absmax of the rotated values, a second quantizes them. int8 values go straight to the wire. int4 values
+# of flat chunks with an even block are packed by the grouped kernel itself (every block starts on an even value);
+# otherwise they go one a byte to a staging tensor that a second kernel packs (a block may start on an odd value, and
+# no two programs may write one byte). Row layouts are staged even when every width is even: packing them in the
+# encode kernel gave the same bits but took 25% longer on an H200 (docs/codecs.md). Program 0 of each wire row zeroes
+# its alignment bytes, so a call is one launch or two.
 _NORM32 = tl.constexpr(0.17677669529663687)  # fp32(32 ** -0.5); read inside kernels: constexpr
+
+
+@triton.jit
+def _zero_padding(row, n, P4, BITS: tl.constexpr):
+    """Program 0 of a wire row zeroes its alignment bytes (payload end to P4), so the wire content is deterministic."""
+    if tl.program_id(0) == 0:
+        pad = (n if BITS == 8 else (n + 1) // 2) + tl.arange(0, 4)
+        tl.store(row + pad, tl.zeros([4], dtype=tl.uint8), mask=pad < P4)
 
 
 @triton.jit
@@ -608,6 +631,7 @@ def _encode_x(x_ptr, order_ptr, out_ptr, q_ptr, tab_ptr, n, nbr, U, block, W, P4
         else:
             tl.store(q_ptr + i.to(tl.int64) * n + start + offs, q.to(tl.int8), mask=mask)
     _store_scale(row, P4, j, scale)
+    _zero_padding(row, n, P4, BITS)
 
 
 @triton.jit
@@ -646,7 +670,9 @@ def _decode_tile(wire_ptr, out_ptr, k, n, W, P4, e, mask, j, m, t, BITS: tl.cons
 @triton.jit
 def _encode_xg(x_ptr, order_ptr, out_ptr, q_ptr, tab_ptr, n, nbr, U, block, W, P4, nbt, seed_lo, seed_hi,
                HAS_ORDER: tl.constexpr, SEG: tl.constexpr, BITS: tl.constexpr, ROTATE: tl.constexpr,
-               SR: tl.constexpr, XT: tl.constexpr, GB: tl.constexpr):
+               SR: tl.constexpr, XT: tl.constexpr, GB: tl.constexpr, PACK: tl.constexpr):
+    """GB blocks of chunk order[i] into wire row i; int4 values are packed here (PACK: flat chunks, even block), else
+    staged for _pack4_x."""
     jj = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
     i = tl.program_id(1)
     valid = jj < nbt
@@ -670,9 +696,15 @@ def _encode_xg(x_ptr, order_ptr, out_ptr, q_ptr, tab_ptr, n, nbr, U, block, W, P
     e = start[:, None] + offs[None, :]
     if BITS == 8:
         tl.store(row + e, (q & 0xFF).to(tl.uint8), mask=mask)
+    elif PACK:  # q is 0 past m (the padding nibble 8), as _pack4_x writes it
+        p = tl.arange(0, XT // 2)
+        lo, hi = tl.split(tl.reshape(q, [GB, XT // 2, 2]))
+        tl.store(row + start[:, None] // 2 + p[None, :], ((lo + 8) | ((hi + 8) << 4)).to(tl.uint8),
+                 mask=2 * p[None, :] < m[:, None])
     else:
         tl.store(q_ptr + i.to(tl.int64) * n + e, q.to(tl.int8), mask=mask)
     tl.store((row + P4).to(tl.pointer_type(tl.float32)) + j, scale, mask=valid)
+    _zero_padding(row, n, P4, BITS)
 
 
 @triton.jit
@@ -729,10 +761,8 @@ def encode_wire_x(codec: Codec, x: Tensor, k: int, n: int, out: Tensor, order: T
     """``encode_wire`` / ``encode_wire_seg`` for a rotated or stochastic codec (``layout`` None: flat chunks;
     ``seed``: the 64-bit stochastic-rounding key, None for round half to even)."""
     P, P4 = codec.payload_numel(n), codec.padded_payload_bytes(n)
-    nbt = codec.scales_numel(n) if layout is None else n // layout.U * layout.nbr
+    nbt = codec.scales_numel(n) if layout is None else _seg_blocks(layout, n)
     W = P4 + 4 * nbt
-    if P4 > P:
-        out.view(k, W)[:, P:P4].zero_()
     if nbt == 0:
         return
     seg = layout is not None
@@ -740,19 +770,20 @@ def encode_wire_x(codec: Codec, x: Tensor, k: int, n: int, out: Tensor, order: T
     nbr, U = (layout.nbr, layout.U) if seg else (0, 0)
     has_order = order is not None
     order_arg = order if has_order else out
-    staged = x.new_empty(k * n, dtype=torch.int8) if codec.bits == 4 else out
     key = 0 if seed is None else seed
     XT, GB = _x_tile(codec), _x_group(codec)
+    pack = codec.bits == 4 and bool(GB) and not seg and codec.block % 2 == 0
+    staged = x.new_empty(k * n, dtype=torch.int8) if codec.bits == 4 and not pack else out
     if GB:
         _encode_xg[(triton.cdiv(nbt, GB), k)](x, order_arg, out, staged, tab, n, nbr, U, codec.block, W, P4, nbt,
                                               key & 0xFFFFFFFF, key >> 32, HAS_ORDER=has_order, SEG=seg,
                                               BITS=codec.bits, ROTATE=codec.rotate, SR=seed is not None, XT=XT,
-                                              GB=GB, enable_fp_fusion=False)
+                                              GB=GB, PACK=pack, enable_fp_fusion=False)
     else:
         _encode_x[(nbt, k)](x, order_arg, out, staged, tab, n, nbr, U, codec.block, W, P4, key & 0xFFFFFFFF,
                             key >> 32, HAS_ORDER=has_order, SEG=seg, BITS=codec.bits, ROTATE=codec.rotate,
                             SR=seed is not None, XT=XT, enable_fp_fusion=False)
-    if codec.bits == 4:
+    if codec.bits == 4 and not pack:
         _pack4_x[(triton.cdiv(P, _TILE), k)](staged, out, n, P, W, TILE=_TILE)
 
 
@@ -761,7 +792,7 @@ def decode_wire_x(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor, layou
     if sum_rows and k == 0:
         out.zero_()
         return
-    nbt = codec.scales_numel(n) if layout is None else n // layout.U * layout.nbr
+    nbt = codec.scales_numel(n) if layout is None else _seg_blocks(layout, n)
     if nbt == 0 or k == 0:
         return
     seg = layout is not None
