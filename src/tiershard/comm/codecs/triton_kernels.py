@@ -6,7 +6,8 @@ subtracting 1.5 * 2**23, exact for |y| < 2**22, and |x / scale| <= 2 * qmax here
 launched with ``enable_fp_fusion=False`` so no multiply-add is contracted into an FMA (that would change the
 rounding of decode_wire_sum); bf16 outputs are rounded to nearest even by integer arithmetic, as torch does.
 Nothing here reads a value back to the host: launches only. Scales are read and written as fp32 through the wire
-buffer, which ``backends.py`` only hands over when it is 4-byte aligned.
+buffer, which ``backends.py`` only hands over when it is 4-byte aligned; the kernel that writes a row's first scale
+also zeroes its alignment bytes (``_zero_padding``), so no encode needs a launch for them.
 
 ``tests/comm/test_codecs.py`` runs these kernels in Triton's CPU interpreter (``TRITON_INTERPRET=1``) against the
 reference, bit for bit, whenever ``triton`` is installed.
@@ -80,6 +81,14 @@ def _block_scale(amax, nonfinite, QMAX: tl.constexpr):
 def _store_scale(row, P4, j, scale):
     """Scale j of a wire row (the caller guarantees the 4-byte alignment of the buffer; P4 and W are multiples of 4)."""
     tl.store((row + P4).to(tl.pointer_type(tl.float32)) + j, scale)
+
+
+@triton.jit
+def _zero_padding(row, n, P4, BITS: tl.constexpr):
+    """Program 0 of a wire row zeroes its alignment bytes (payload end to P4), so the wire content is deterministic."""
+    if tl.program_id(0) == 0:
+        pad = (n if BITS == 8 else (n + 1) // 2) + tl.arange(0, 4)
+        tl.store(row + pad, tl.zeros([4], dtype=tl.uint8), mask=pad < P4)
 
 
 @triton.jit
@@ -173,6 +182,7 @@ def _encode_fused(x_ptr, order_ptr, out_ptr, n, block, W, P4,
         hi = tl.where(m1, _quant(x1, scale, QMAX) + 8, 8)
         tl.store(row + start // 2 + half, (lo | (hi << 4)).to(tl.uint8), mask=m0)
     _store_scale(row, P4, j, scale)
+    _zero_padding(row, n, P4, BITS)
 
 
 @triton.jit
@@ -185,7 +195,9 @@ def _encode_scales(x_ptr, order_ptr, out_ptr, n, block, W, P4,
     m = tl.minimum(block, n - start)
     QMAX: tl.constexpr = 127 if BITS == 8 else 7
     scale = _tiled_block_scale(src, start, m, QMAX, TILE)
-    _store_scale(out_ptr + i.to(tl.int64) * W, P4, j, scale)
+    row = out_ptr + i.to(tl.int64) * W
+    _store_scale(row, P4, j, scale)
+    _zero_padding(row, n, P4, BITS)
 
 
 @triton.jit
@@ -250,8 +262,6 @@ def _pow2(v: int) -> int:
 def encode_wire(codec: Codec, x: Tensor, k: int, n: int, out: Tensor, order: Tensor | None) -> None:
     """Launch the encode kernels: x (k*n values, contiguous), out (k * wire_bytes(n) uint8), order (int64 or None)."""
     W, P, P4 = codec.wire_bytes(n), codec.payload_numel(n), codec.padded_payload_bytes(n)
-    if P4 > P:  # alignment bytes: zeroed so the wire content is deterministic
-        out.view(k, W)[:, P:P4].zero_()
     nb = codec.scales_numel(n)
     if nb == 0:
         return
@@ -367,6 +377,7 @@ def _encode_seg_fused(x_ptr, order_ptr, out_ptr, tab_ptr, n, nbr, U, nbt, W, P4,
         amax1, bad1 = _block_absmax(src, start1, m1, BLOCK)
         _store_pairs(src, row, start, end, end, n, scale, _block_scale(amax1, bad1, QMAX), QMAX, BLOCK // 2)
     _store_scale(row, P4, j, scale)
+    _zero_padding(row, n, P4, BITS)
 
 
 @triton.jit
@@ -378,7 +389,9 @@ def _encode_seg_scales(x_ptr, order_ptr, out_ptr, tab_ptr, n, nbr, U, W, P4,
     start, m = _seg_block(tab_ptr, j, nbr, U)
     QMAX: tl.constexpr = 127 if BITS == 8 else 7
     scale = _tiled_block_scale(src, start, m, QMAX, TILE)
-    _store_scale(out_ptr + i.to(tl.int64) * W, P4, j, scale)
+    row = out_ptr + i.to(tl.int64) * W
+    _store_scale(row, P4, j, scale)
+    _zero_padding(row, n, P4, BITS)
 
 
 @triton.jit
@@ -442,11 +455,9 @@ def _decode_seg_sum(wire_ptr, out_ptr, tab_ptr, k, n, nbr, U, W, P4, BITS: tl.co
 def encode_wire_seg(codec: Codec, x: Tensor, k: int, n: int, out: Tensor, order: Tensor | None,
                     layout) -> None:
     """``encode_wire`` for chunks cut by a row layout (``format._Layout``): blocks never span two segments."""
-    P, P4 = codec.payload_numel(n), codec.padded_payload_bytes(n)
+    P4 = codec.padded_payload_bytes(n)
     nbt = _seg_blocks(layout, n)
     W = P4 + 4 * nbt
-    if P4 > P:
-        out.view(k, W)[:, P:P4].zero_()
     if nbt == 0:
         return
     tab = layout.table(x.device)
@@ -502,17 +513,8 @@ def decode_wire_sum_seg(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor,
 # of flat chunks with an even block are packed by the grouped kernel itself (every block starts on an even value);
 # otherwise they go one a byte to a staging tensor that a second kernel packs (a block may start on an odd value, and
 # no two programs may write one byte). Row layouts are staged even when every width is even: packing them in the
-# encode kernel gave the same bits but took 25% longer on an H200 (docs/codecs.md). Program 0 of each wire row zeroes
-# its alignment bytes, so a call is one launch or two.
+# encode kernel gave the same bits but took 25% longer on an H200 (docs/codecs.md).
 _NORM32 = tl.constexpr(0.17677669529663687)  # fp32(32 ** -0.5); read inside kernels: constexpr
-
-
-@triton.jit
-def _zero_padding(row, n, P4, BITS: tl.constexpr):
-    """Program 0 of a wire row zeroes its alignment bytes (payload end to P4), so the wire content is deterministic."""
-    if tl.program_id(0) == 0:
-        pad = (n if BITS == 8 else (n + 1) // 2) + tl.arange(0, 4)
-        tl.store(row + pad, tl.zeros([4], dtype=tl.uint8), mask=pad < P4)
 
 
 @triton.jit
