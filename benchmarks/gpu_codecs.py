@@ -42,11 +42,14 @@ def _input(k: int, n: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tens
     return x.to(dtype)
 
 
-def _row_layout(width: int) -> tuple[int, ...]:
-    """A model-like row of ``width`` values: small odd segments (norms, biases) between large ones."""
-    small = (1, 7, 96, 33, 5, 384)
+def _row_layout(width: int, align: int = 1) -> tuple[int, ...]:
+    """A model-like row of ``width`` values: small segments (norms, biases) between large ones (weight matrices).
+    ``align`` 1: odd widths, so most blocks start on odd values (a layout's worst case); 16: every width a multiple
+    of 16, as a model whose dimensions are multiples of 16 x the ranks sharing a unit gives (``width`` must be one)."""
+    small = (1, 7, 96, 33, 5, 384) if align == 1 else (16, 96, 48, 32, 16, 384)
     rest = width - sum(small)
-    large = [rest // 6] * 5 + [rest - 5 * (rest // 6)]
+    large = [rest // (6 * align) * align] * 5
+    large.append(rest - sum(large))
     return tuple(w for pair in zip(large, small) for w in pair)
 
 
@@ -55,6 +58,8 @@ def check_bits(device: torch.device) -> int:
     g = torch.Generator().manual_seed(0)
     cases = [(None, 3, 203), (None, 2, 1), (None, 8, (1 << 17) + 5), ((1, 64, 37, 3, 34), 2, 2 * 139)]
     cases.append((_row_layout(50_000), 4, 2 * 50_000))
+    cases.append((_row_layout(50_000, 16), 4, 2 * 50_000))
+    cases.append(((16, 144, 64, 32), 3, 5 * 256))
     failures = checked = 0
     for spec in SPECS:
         codec = codec_from_spec(spec)
@@ -145,8 +150,8 @@ def bench(device: torch.device, sizes: list[int], reps: int) -> None:
             order = list(range(K))[::-1]
             copy = (_graph_ms(lambda: y.copy_(x)), _median_ms(lambda: y.copy_(x), reps))
             for codec in codecs:
-                for layout in ("flat", "rows"):
-                    segments = None if layout == "flat" else _row_layout(chunk // 2)
+                for layout in ("flat", "rows", "rows16"):
+                    segments = None if layout == "flat" else _row_layout(chunk // 2, 16 if layout == "rows16" else 1)
                     seed = 7 if codec.stochastic else None
                     wire = torch.empty(K * codec.wire_bytes(chunk, segments), dtype=torch.uint8, device=device)
                     calls = (lambda: codec.encode_wire(x, K, wire, order, segments, seed=seed),

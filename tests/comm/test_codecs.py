@@ -786,7 +786,8 @@ _TRITON_SCRIPT = textwrap.dedent("""
     from tiershard.comm.codecs import BlockCodec, INT8, INT4, same_bits
     from tiershard.comm.codecs.format import _layout
     g = torch.Generator().manual_seed(0)
-    for codec in (INT8, INT4, BlockCodec(4, 37), BlockCodec(4, 6000), BlockCodec(8, 5000)):
+    for codec in (INT8, INT4, BlockCodec(4, 37), BlockCodec(4, 6000), BlockCodec(8, 5000), BlockCodec(8, 100),
+                  BlockCodec(4, 1501)):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             for k, n in ((3, 203), (2, 1), (4, 130)):
                 x = (torch.randn(k * n, generator=g) * 3).to(dtype)
@@ -804,10 +805,14 @@ _TRITON_SCRIPT = textwrap.dedent("""
                 total = torch.empty(n)
                 T.decode_wire_sum(codec, ref, k, n, total)
                 assert same_bits(total, codec.decode_wire_sum(ref, k, n)), (codec, dtype)
-    # row layouts: odd-aligned int4 blocks and the next block's scale, odd chunks, the two-kernel path for big blocks
+    # row layouts: odd-aligned int4 blocks (grouped and staged; above one tile, with the next block's scale), odd
+    # chunks, aligned layouts (int4 packed in the grouped kernel), the two-kernel path for big blocks
     for codec, segs, rows, k in ((INT4, (1, 64, 37, 3, 34), 1, 2), (INT4, (2, 33, 96), 2, 2),
                                  (BlockCodec(4, 37), (1, 80, 2), 1, 2), (INT8, (1, 64, 37, 3, 34), 1, 2),
-                                 (BlockCodec(4, 6000), (3, 7001), 1, 2), (BlockCodec(8, 5000), (3, 7001), 1, 1)):
+                                 (BlockCodec(4, 6000), (3, 7001), 1, 2), (BlockCodec(8, 5000), (3, 7001), 1, 1),
+                                 (INT4, (16, 144, 64, 32), 2, 2), (INT8, (8, 24, 4), 3, 2),
+                                 (BlockCodec(8, 100), (1, 64, 37, 3, 34), 2, 2),
+                                 (BlockCodec(4, 1501), (1, 3001, 2), 1, 2)):
         lay = _layout(codec.block, segs)
         n = rows * sum(segs)
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -829,7 +834,8 @@ _TRITON_SCRIPT = textwrap.dedent("""
     for spec in ("int8:128:h", "int4:37:h:sr", "int4:64:h", "int8:100:sr", "int4:2048:h:sr", "int8:1500:h",
                  "int4:128:h:sr", "int4:30:sr"):
         codec = codec_from_spec(spec)
-        for segs, k, n in ((None, 3, 203), ((1, 64, 37, 3, 34), 2, 2 * 139), ((2, 130, 64, 4), 2, 3 * 200)):
+        for segs, k, n in ((None, 3, 203), ((1, 64, 37, 3, 34), 2, 2 * 139), ((2, 130, 64, 4), 2, 3 * 200),
+                           ((16, 144, 64, 32), 2, 2 * 256)):
             lay = None if segs is None else _layout(codec.block, segs)
             x = (torch.randn(k * n, generator=g) * 3).to(torch.bfloat16)
             x[7], x[95] = float("nan"), float("inf")

@@ -84,6 +84,7 @@ This module holds the format and nothing that runs it: the constants, the row la
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Sequence
 from typing import NamedTuple, Union
 
@@ -193,7 +194,7 @@ class _Layout:
     Triton kernels as an int64 tensor on the device; the reference path uses index tensors derived from it.
     """
 
-    __slots__ = ("block", "widths", "U", "nbr", "starts", "c_starts", "c_addr", "_tables", "_ref")
+    __slots__ = ("block", "widths", "U", "nbr", "starts", "align", "c_starts", "c_addr", "_tables", "_ref")
 
     def __init__(self, block: int, widths: tuple[int, ...]):
         starts = [0]
@@ -205,6 +206,9 @@ class _Layout:
                 pos += w
         self.block, self.widths, self.U, self.nbr = block, widths, pos, len(starts) - 1
         self.starts = starts
+        # the largest power of two up to 16 dividing every block boundary: the GPU kernels read and write 16-byte
+        # vectors when a block's first value and length are multiples of it (4 fp32 or 8 bf16 values)
+        self.align = math.gcd(16, *starts)
         # For the C kernels, after the starts: how many whole blocks of `block` values follow one another from each
         # block of a row, so those runs take the same straight loop as unsegmented chunks (only where that loop
         # applies: block % 32 == 0).

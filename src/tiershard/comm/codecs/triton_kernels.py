@@ -16,7 +16,9 @@ Kernels: one program per (chunk, block) encodes a whole block when it fits in re
 even block, up to ``_FUSED_MAX`` values); otherwise one program per (chunk, block) writes the scales and a second
 kernel quantizes per value (int4 odd blocks pair values across two blocks). Decoding is one program per (chunk,
 tile of values); the sum loops over the chunks inside each program. Row layouts (``segments``) have their own
-kernels (``*_seg``), driven by the layout's block table: one program per (block, chunk), see below. Rotated and
+kernels (``*_seg``), driven by the layout's block table: one program per (block, chunk), see below. Plain codecs
+whose blocks fit one tile are encoded, and decoded from row layouts, by the general path's grouped kernels instead
+(``_grouped``), so the per-block kernels serve blocks of more than ``_TILE`` values. Rotated and
 stochastic codecs take one general path (``encode_wire_x``, ``decode_wire_x``), flat or with a row layout, parallel
 to the C kernels' ``ts_encode_x`` / ``ts_decode_x``: blocks of up to _TILE values go GB to a program as one [GB, XT]
 tile (``_encode_xg`` / ``_decode_xg``: one program per block of 128 values was too little work for a GPU), larger
@@ -98,13 +100,13 @@ def _load_scale(row, P4, b):
 
 
 @triton.jit
-def _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER: tl.constexpr):
+def _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER: tl.constexpr, ALIGN: tl.constexpr):
     """Where wire row i's chunk starts in x: chunk order[i] with an order, else chunk i."""
     if HAS_ORDER:
-        c = tl.load(order_ptr + i).to(tl.int64)
+        c = tl.load(order_ptr + i)
     else:
-        c = i.to(tl.int64)
-    return x_ptr + c * n
+        c = i
+    return x_ptr + _chunk(c, n, ALIGN)
 
 
 @triton.jit
@@ -152,7 +154,7 @@ def _encode_fused(x_ptr, order_ptr, out_ptr, n, block, W, P4,
                   HAS_ORDER: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1)
-    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
+    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER, 1)
     row = out_ptr + i.to(tl.int64) * W
     start = j * block
     m = tl.minimum(block, n - start)
@@ -190,7 +192,7 @@ def _encode_scales(x_ptr, order_ptr, out_ptr, n, block, W, P4,
                    HAS_ORDER: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1)
-    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
+    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER, 1)
     start = j * block
     m = tl.minimum(block, n - start)
     QMAX: tl.constexpr = 127 if BITS == 8 else 7
@@ -206,7 +208,7 @@ def _encode_values(x_ptr, order_ptr, out_ptr, n, block, W, P4,
     """Quantize with the scales _encode_scales wrote: TILE values (int8) or TILE bytes of value pairs (int4)."""
     t = tl.program_id(0)
     i = tl.program_id(1)
-    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
+    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER, 1)
     row = out_ptr + i.to(tl.int64) * W
     offs = t.to(tl.int64) * TILE + tl.arange(0, TILE)
     QMAX: tl.constexpr = 127 if BITS == 8 else 7
@@ -265,6 +267,9 @@ def encode_wire(codec: Codec, x: Tensor, k: int, n: int, out: Tensor, order: Ten
     nb = codec.scales_numel(n)
     if nb == 0:
         return
+    if _grouped(codec):
+        encode_wire_x(codec, x, k, n, out, order, None, None)
+        return
     has_order = order is not None
     order_arg = order if has_order else out  # any pointer; unused without HAS_ORDER
     block = codec.block
@@ -309,15 +314,30 @@ def decode_wire_sum(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor) -> 
 
 
 @triton.jit
-def _seg_block(tab_ptr, j, nbr, U):
+def _seg_block(tab_ptr, j, nbr, U, ALIGN: tl.constexpr):
     """First value (in the chunk) and length of block j. The division is in 32 bits (a chunk's block indices fit:
     ``_seg_blocks``): a 64-bit one is a long software routine on a GPU, and the grouped kernels divide once per block
-    in every thread (rows 2-3x slower than flat chunks on an H200 before)."""
+    in every thread (rows 2-3x slower than flat chunks on an H200 before). Both are multiples of ALIGN (the
+    layout's ``align``): said to the compiler, which then reads and writes whole 16-byte vectors as in flat chunks."""
     j32 = j.to(tl.int32)
     r = j32 // nbr
     b = j32 - r * nbr
     lo = tl.load(tab_ptr + b)
-    return r.to(tl.int64) * U + lo, tl.load(tab_ptr + b + 1) - lo
+    start = r.to(tl.int64) * U + lo
+    m = tl.load(tab_ptr + b + 1) - lo
+    if ALIGN > 1:  # hints stick to values made in the function that gives them, so they are given here
+        start = tl.multiple_of(start, ALIGN)
+        m = tl.multiple_of(m, ALIGN)
+    return start, m
+
+
+@triton.jit
+def _chunk(c, n, ALIGN: tl.constexpr):
+    """Where chunk c starts (c * n values): a multiple of ALIGN, as a chunk is whole rows of its layout."""
+    off = c.to(tl.int64) * n
+    if ALIGN > 1:
+        off = tl.multiple_of(off, ALIGN)
+    return off
 
 
 def _seg_blocks(layout, n: int) -> int:
@@ -355,12 +375,12 @@ def _store_pairs(src, row, lo_v, hi_v, end, n, scale, scale_next, QMAX: tl.const
 
 @triton.jit
 def _encode_seg_fused(x_ptr, order_ptr, out_ptr, tab_ptr, n, nbr, U, nbt, W, P4,
-                      HAS_ORDER: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_ORDER: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1)
-    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
+    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER, ALIGN)
     row = out_ptr + i.to(tl.int64) * W
-    start, m = _seg_block(tab_ptr, j, nbr, U)
+    start, m = _seg_block(tab_ptr, j, nbr, U, ALIGN)
     QMAX: tl.constexpr = 127 if BITS == 8 else 7
     amax, bad = _block_absmax(src, start, m, BLOCK)
     scale = _block_scale(amax, bad, QMAX)
@@ -372,7 +392,7 @@ def _encode_seg_fused(x_ptr, order_ptr, out_ptr, tab_ptr, n, nbr, U, nbt, W, P4,
     else:
         end = start + m
         # the next block's scale, needed only when this block ends on an odd value inside the chunk
-        start1, m1 = _seg_block(tab_ptr, tl.minimum(j + 1, nbt - 1), nbr, U)
+        start1, m1 = _seg_block(tab_ptr, tl.minimum(j + 1, nbt - 1), nbr, U, ALIGN)
         m1 = tl.where((end % 2 == 1) & (j + 1 < nbt), m1, 0)
         amax1, bad1 = _block_absmax(src, start1, m1, BLOCK)
         _store_pairs(src, row, start, end, end, n, scale, _block_scale(amax1, bad1, QMAX), QMAX, BLOCK // 2)
@@ -382,11 +402,11 @@ def _encode_seg_fused(x_ptr, order_ptr, out_ptr, tab_ptr, n, nbr, U, nbt, W, P4,
 
 @triton.jit
 def _encode_seg_scales(x_ptr, order_ptr, out_ptr, tab_ptr, n, nbr, U, W, P4,
-                       HAS_ORDER: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr):
+                       HAS_ORDER: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr, ALIGN: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1)
-    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
-    start, m = _seg_block(tab_ptr, j, nbr, U)
+    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER, ALIGN)
+    start, m = _seg_block(tab_ptr, j, nbr, U, ALIGN)
     QMAX: tl.constexpr = 127 if BITS == 8 else 7
     scale = _tiled_block_scale(src, start, m, QMAX, TILE)
     row = out_ptr + i.to(tl.int64) * W
@@ -396,14 +416,14 @@ def _encode_seg_scales(x_ptr, order_ptr, out_ptr, tab_ptr, n, nbr, U, W, P4,
 
 @triton.jit
 def _encode_seg_values(x_ptr, order_ptr, out_ptr, tab_ptr, n, nbr, U, nbt, W, P4,
-                       HAS_ORDER: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr):
+                       HAS_ORDER: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr, ALIGN: tl.constexpr):
     """Quantize tile t of block j with the scales _encode_seg_scales wrote."""
     j = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1)
     t = tl.program_id(2).to(tl.int64)
-    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
+    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER, ALIGN)
     row = out_ptr + i.to(tl.int64) * W
-    start, m = _seg_block(tab_ptr, j, nbr, U)
+    start, m = _seg_block(tab_ptr, j, nbr, U, ALIGN)
     end = start + m
     lo_v = start + t * TILE
     hi_v = tl.minimum(lo_v + TILE, end)
@@ -426,21 +446,23 @@ def _dequant_seg(row, P4, e, mask, j, BITS: tl.constexpr):
 
 
 @triton.jit
-def _decode_seg(wire_ptr, out_ptr, tab_ptr, n, nbr, U, W, P4, BITS: tl.constexpr, TILE: tl.constexpr):
+def _decode_seg(wire_ptr, out_ptr, tab_ptr, n, nbr, U, W, P4, BITS: tl.constexpr, TILE: tl.constexpr,
+                ALIGN: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1).to(tl.int64)
-    start, m = _seg_block(tab_ptr, j, nbr, U)
+    start, m = _seg_block(tab_ptr, j, nbr, U, ALIGN)
     offs = tl.program_id(2).to(tl.int64) * TILE + tl.arange(0, TILE)
     mask = offs < m
     e = start + offs
     v = _dequant_seg(wire_ptr + i * W, P4, e, mask, j, BITS)
-    _store_values(out_ptr + i * n + e, v, mask)
+    _store_values(out_ptr + _chunk(i, n, ALIGN) + e, v, mask)
 
 
 @triton.jit
-def _decode_seg_sum(wire_ptr, out_ptr, tab_ptr, k, n, nbr, U, W, P4, BITS: tl.constexpr, TILE: tl.constexpr):
+def _decode_seg_sum(wire_ptr, out_ptr, tab_ptr, k, n, nbr, U, W, P4, BITS: tl.constexpr, TILE: tl.constexpr,
+                    ALIGN: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
-    start, m = _seg_block(tab_ptr, j, nbr, U)
+    start, m = _seg_block(tab_ptr, j, nbr, U, ALIGN)
     offs = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
     mask = offs < m
     e = start + offs
@@ -455,6 +477,9 @@ def _decode_seg_sum(wire_ptr, out_ptr, tab_ptr, k, n, nbr, U, W, P4, BITS: tl.co
 def encode_wire_seg(codec: Codec, x: Tensor, k: int, n: int, out: Tensor, order: Tensor | None,
                     layout) -> None:
     """``encode_wire`` for chunks cut by a row layout (``format._Layout``): blocks never span two segments."""
+    if _grouped(codec):
+        encode_wire_x(codec, x, k, n, out, order, layout, None)
+        return
     P4 = codec.padded_payload_bytes(n)
     nbt = _seg_blocks(layout, n)
     W = P4 + 4 * nbt
@@ -466,13 +491,15 @@ def encode_wire_seg(codec: Codec, x: Tensor, k: int, n: int, out: Tensor, order:
     block = codec.block
     if block <= _FUSED_MAX:
         _encode_seg_fused[(nbt, k)](x, order_arg, out, tab, n, layout.nbr, layout.U, nbt, W, P4, HAS_ORDER=has_order,
-                                   BITS=codec.bits, BLOCK=max(_pow2(block), 2), enable_fp_fusion=False)
+                                   BITS=codec.bits, BLOCK=max(_pow2(block), 2), ALIGN=layout.align,
+                                   enable_fp_fusion=False)
         return
     _encode_seg_scales[(nbt, k)](x, order_arg, out, tab, n, layout.nbr, layout.U, W, P4, HAS_ORDER=has_order,
-                                 BITS=codec.bits, TILE=_SCALE_TILE, enable_fp_fusion=False)
+                                 BITS=codec.bits, TILE=_SCALE_TILE, ALIGN=layout.align,
+                                 enable_fp_fusion=False)
     _encode_seg_values[(nbt, k, triton.cdiv(block, _TILE))](x, order_arg, out, tab, n, layout.nbr, layout.U, nbt, W,
                                                             P4, HAS_ORDER=has_order, BITS=codec.bits, TILE=_TILE,
-                                                            enable_fp_fusion=False)
+                                                            ALIGN=layout.align, enable_fp_fusion=False)
 
 
 def _seg_tile(codec: Codec) -> int:
@@ -481,6 +508,9 @@ def _seg_tile(codec: Codec) -> int:
 
 def decode_wire_seg(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor, layout) -> None:
     """``decode_wire`` for chunks cut by a row layout: one program per (block, chunk, tile of the block)."""
+    if _grouped(codec):
+        decode_wire_x(codec, wire, k, n, out, layout, False)
+        return
     nbt = _seg_blocks(layout, n)
     if nbt == 0 or k == 0:
         return
@@ -488,11 +518,14 @@ def decode_wire_seg(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor, lay
     P4 = codec.padded_payload_bytes(n)
     _decode_seg[(nbt, k, triton.cdiv(codec.block, tile))](wire, out, layout.table(wire.device), n, layout.nbr,
                                                           layout.U, P4 + 4 * nbt, P4, BITS=codec.bits, TILE=tile,
-                                                          enable_fp_fusion=False)
+                                                          ALIGN=layout.align, enable_fp_fusion=False)
 
 
 def decode_wire_sum_seg(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor, layout) -> None:
     """``decode_wire_sum`` for chunks cut by a row layout: rows added in order inside each program."""
+    if _grouped(codec):
+        decode_wire_x(codec, wire, k, n, out, layout, True)
+        return
     if k == 0:
         out.zero_()
         return
@@ -503,7 +536,7 @@ def decode_wire_sum_seg(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor,
     P4 = codec.padded_payload_bytes(n)
     _decode_seg_sum[(nbt, triton.cdiv(codec.block, tile))](wire, out, layout.table(wire.device), k, n, layout.nbr,
                                                            layout.U, P4 + 4 * nbt, P4, BITS=codec.bits, TILE=tile,
-                                                           enable_fp_fusion=False)
+                                                           ALIGN=layout.align, enable_fp_fusion=False)
 
 
 # ---- rotated and stochastic formats (format.py: "Rotation", "Stochastic rounding") ----------------------------
@@ -590,10 +623,10 @@ def _rotate_rows(y, m, GB: tl.constexpr, XT: tl.constexpr):
 
 
 @triton.jit
-def _block_of(tab_ptr, j, nbr, U, n, block, SEG: tl.constexpr):
+def _block_of(tab_ptr, j, nbr, U, n, block, SEG: tl.constexpr, ALIGN: tl.constexpr):
     """First value and length of block j of a chunk: flat, or by the row layout's table."""
     if SEG:
-        return _seg_block(tab_ptr, j, nbr, U)
+        return _seg_block(tab_ptr, j, nbr, U, ALIGN)
     start = j * block
     return start, tl.minimum(block, n - start)
 
@@ -601,12 +634,12 @@ def _block_of(tab_ptr, j, nbr, U, n, block, SEG: tl.constexpr):
 @triton.jit
 def _encode_x(x_ptr, order_ptr, out_ptr, q_ptr, tab_ptr, n, nbr, U, block, W, P4, seed_lo, seed_hi,
               HAS_ORDER: tl.constexpr, SEG: tl.constexpr, BITS: tl.constexpr, ROTATE: tl.constexpr,
-              SR: tl.constexpr, XT: tl.constexpr):
+              SR: tl.constexpr, XT: tl.constexpr, ALIGN: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1)
-    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
+    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER, ALIGN)
     row = out_ptr + i.to(tl.int64) * W
-    start, m = _block_of(tab_ptr, j, nbr, U, n, block, SEG)
+    start, m = _block_of(tab_ptr, j, nbr, U, n, block, SEG, ALIGN)
     QMAX: tl.constexpr = 127 if BITS == 8 else 7
     amax = tl.zeros([XT], dtype=tl.float32)
     bad = tl.zeros([XT], dtype=tl.int32)
@@ -652,7 +685,7 @@ def _decoded(row, P4, e, mask, j, m, t, BITS: tl.constexpr, ROTATE: tl.constexpr
 
 @triton.jit
 def _decode_tile(wire_ptr, out_ptr, k, n, W, P4, e, mask, j, m, t, BITS: tl.constexpr, ROTATE: tl.constexpr,
-                 SUM: tl.constexpr, XT: tl.constexpr, GB: tl.constexpr):
+                 SUM: tl.constexpr, XT: tl.constexpr, GB: tl.constexpr, ALIGN: tl.constexpr):
     """Store the values e of row i (SUM: of every row, added in row order), as ``_decoded`` gives them."""
     if SUM:
         row = wire_ptr
@@ -663,8 +696,8 @@ def _decode_tile(wire_ptr, out_ptr, k, n, W, P4, e, mask, j, m, t, BITS: tl.cons
         tl.store(out_ptr + e, acc, mask=mask)
     else:
         i = tl.program_id(1).to(tl.int64)
-        _store_values(out_ptr + i * n + e, _decoded(wire_ptr + i * W, P4, e, mask, j, m, t, BITS, ROTATE, XT, GB),
-                      mask)
+        v = _decoded(wire_ptr + i * W, P4, e, mask, j, m, t, BITS, ROTATE, XT, GB)
+        _store_values(out_ptr + _chunk(i, n, ALIGN) + e, v, mask)
 
 
 # Blocks that fit one tile (block <= _TILE, every default): GB blocks per program as a [GB, XT] tile, so that a
@@ -672,16 +705,16 @@ def _decode_tile(wire_ptr, out_ptr, k, n, W, P4, e, mask, j, m, t, BITS: tl.cons
 @triton.jit
 def _encode_xg(x_ptr, order_ptr, out_ptr, q_ptr, tab_ptr, n, nbr, U, block, W, P4, nbt, seed_lo, seed_hi,
                HAS_ORDER: tl.constexpr, SEG: tl.constexpr, BITS: tl.constexpr, ROTATE: tl.constexpr,
-               SR: tl.constexpr, XT: tl.constexpr, GB: tl.constexpr, PACK: tl.constexpr):
+               SR: tl.constexpr, XT: tl.constexpr, GB: tl.constexpr, PACK: tl.constexpr, ALIGN: tl.constexpr):
     """GB blocks of chunk order[i] into wire row i; int4 values are packed here (PACK: flat chunks, even block), else
     staged for _pack4_x."""
     jj = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
     i = tl.program_id(1)
     valid = jj < nbt
     j = tl.where(valid, jj, 0)
-    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER)
+    src = _chunk_src(x_ptr, order_ptr, i, n, HAS_ORDER, ALIGN)
     row = out_ptr + i.to(tl.int64) * W
-    start, m = _block_of(tab_ptr, j, nbr, U, n, block, SEG)
+    start, m = _block_of(tab_ptr, j, nbr, U, n, block, SEG, ALIGN)
     m = tl.where(valid, m, 0)
     QMAX: tl.constexpr = 127 if BITS == 8 else 7
     offs = tl.arange(0, XT)
@@ -711,17 +744,17 @@ def _encode_xg(x_ptr, order_ptr, out_ptr, q_ptr, tab_ptr, n, nbr, U, block, W, P
 
 @triton.jit
 def _decode_xg(wire_ptr, out_ptr, tab_ptr, k, n, nbr, U, block, W, P4, nbt, SEG: tl.constexpr, BITS: tl.constexpr,
-               ROTATE: tl.constexpr, SUM: tl.constexpr, XT: tl.constexpr, GB: tl.constexpr):
+               ROTATE: tl.constexpr, SUM: tl.constexpr, XT: tl.constexpr, GB: tl.constexpr, ALIGN: tl.constexpr):
     """GB blocks of row i (SUM: of every row, added in row order): dequantize, rotate back, store."""
     jj = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
     valid = jj < nbt
     j = tl.where(valid, jj, 0)
-    start, m = _block_of(tab_ptr, j, nbr, U, n, block, SEG)
+    start, m = _block_of(tab_ptr, j, nbr, U, n, block, SEG, ALIGN)
     m = tl.where(valid, m, 0)
     offs = tl.arange(0, XT)
     mask = offs[None, :] < m[:, None]
     e = start[:, None] + offs[None, :]
-    _decode_tile(wire_ptr, out_ptr, k, n, W, P4, e, mask, j[:, None], m, 0, BITS, ROTATE, SUM, XT, GB)
+    _decode_tile(wire_ptr, out_ptr, k, n, W, P4, e, mask, j[:, None], m, 0, BITS, ROTATE, SUM, XT, GB, ALIGN)
 
 
 @triton.jit
@@ -738,15 +771,23 @@ def _pack4_x(q_ptr, out_ptr, n, P, W, TILE: tl.constexpr):
 
 @triton.jit
 def _decode_x(wire_ptr, out_ptr, tab_ptr, k, n, nbr, U, block, W, P4, SEG: tl.constexpr, BITS: tl.constexpr,
-              ROTATE: tl.constexpr, SUM: tl.constexpr, XT: tl.constexpr):
+              ROTATE: tl.constexpr, SUM: tl.constexpr, XT: tl.constexpr, ALIGN: tl.constexpr):
     """Block j of row i (SUM: of every row, added in row order): dequantize, rotate back, store."""
     j = tl.program_id(0).to(tl.int64)
-    start, m = _block_of(tab_ptr, j, nbr, U, n, block, SEG)
+    start, m = _block_of(tab_ptr, j, nbr, U, n, block, SEG, ALIGN)
     for t in range(0, m, XT):
         offs = t + tl.arange(0, XT)
         mask = offs < m
         e = start + offs
-        _decode_tile(wire_ptr, out_ptr, k, n, W, P4, e, mask, j, m, t, BITS, ROTATE, SUM, XT, 0)
+        _decode_tile(wire_ptr, out_ptr, k, n, W, P4, e, mask, j, m, t, BITS, ROTATE, SUM, XT, 0, ALIGN)
+
+
+def _grouped(codec: Codec) -> bool:
+    """Whether a plain codec's chunks go through the grouped kernels of the general path (``_encode_xg``,
+    ``_decode_xg``: no rotation, no stochastic rounding, the same arithmetic): when its blocks fit one tile. One
+    program per block, as the plain kernels give, is too little work for a GPU: on an H200 int4:64 ran at 6-15% of a
+    copy flat and 3-6% on row layouts, 35-59% and 16-42% grouped (flat decoding already runs tiles of values)."""
+    return bool(_x_group(codec))
 
 
 def _x_tile(codec: Codec) -> int:
@@ -774,17 +815,19 @@ def encode_wire_x(codec: Codec, x: Tensor, k: int, n: int, out: Tensor, order: T
     order_arg = order if has_order else out
     key = 0 if seed is None else seed
     XT, GB = _x_tile(codec), _x_group(codec)
-    pack = codec.bits == 4 and bool(GB) and not seg and codec.block % 2 == 0
+    align = layout.align if seg else 1
+    # every block starts and ends on an even value (in a row layout: every offset even), so no byte has two writers
+    pack = codec.bits == 4 and bool(GB) and (align % 2 == 0 if seg else codec.block % 2 == 0)
     staged = x.new_empty(k * n, dtype=torch.int8) if codec.bits == 4 and not pack else out
     if GB:
         _encode_xg[(triton.cdiv(nbt, GB), k)](x, order_arg, out, staged, tab, n, nbr, U, codec.block, W, P4, nbt,
                                               key & 0xFFFFFFFF, key >> 32, HAS_ORDER=has_order, SEG=seg,
                                               BITS=codec.bits, ROTATE=codec.rotate, SR=seed is not None, XT=XT,
-                                              GB=GB, PACK=pack, enable_fp_fusion=False)
+                                              GB=GB, PACK=pack, ALIGN=align, enable_fp_fusion=False)
     else:
         _encode_x[(nbt, k)](x, order_arg, out, staged, tab, n, nbr, U, codec.block, W, P4, key & 0xFFFFFFFF,
                             key >> 32, HAS_ORDER=has_order, SEG=seg, BITS=codec.bits, ROTATE=codec.rotate,
-                            SR=seed is not None, XT=XT, enable_fp_fusion=False)
+                            SR=seed is not None, XT=XT, ALIGN=align, enable_fp_fusion=False)
     if codec.bits == 4 and not pack:
         _pack4_x[(triton.cdiv(P, _TILE), k)](staged, out, n, P, W, TILE=_TILE)
 
@@ -802,12 +845,14 @@ def decode_wire_x(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor, layou
     nbr, U = (layout.nbr, layout.U) if seg else (0, 0)
     P4 = codec.padded_payload_bytes(n)
     XT, GB = _x_tile(codec), _x_group(codec)
+    align = layout.align if seg else 1
     if GB:
         blocks = triton.cdiv(nbt, GB)
         _decode_xg[(blocks,) if sum_rows else (blocks, k)](wire, out, tab, k, n, nbr, U, codec.block, P4 + 4 * nbt,
                                                             P4, nbt, SEG=seg, BITS=codec.bits, ROTATE=codec.rotate,
-                                                            SUM=sum_rows, XT=XT, GB=GB, enable_fp_fusion=False)
+                                                            SUM=sum_rows, XT=XT, GB=GB, ALIGN=align,
+                                                            enable_fp_fusion=False)
         return
     grid = (nbt,) if sum_rows else (nbt, k)
     _decode_x[grid](wire, out, tab, k, n, nbr, U, codec.block, P4 + 4 * nbt, P4, SEG=seg, BITS=codec.bits,
-                    ROTATE=codec.rotate, SUM=sum_rows, XT=XT, enable_fp_fusion=False)
+                    ROTATE=codec.rotate, SUM=sum_rows, XT=XT, ALIGN=align, enable_fp_fusion=False)
