@@ -57,11 +57,25 @@ def test_buffers_and_activations_follow_the_stated_formulas():
     model = SEVEN_B
     sbh = 2 * 1024 * 4096
     assert cost.memory(ts.Plan.parse("NNN").resolve(DGX64.topology), model, job).activations == \
-        32 * 34 * sbh + 8 * 2048 * model.vocab
+        (32 + 1) * 34 * sbh + 8 * 2048 * model.vocab    # every layer's, and one layer's working set in backward
     mem = cost.memory(ts.Plan.parse("GGG").resolve(DGX64.topology), model, job)
     unit = max(model.layer_params(), model.root_params())
     assert mem.buffers == 2 * unit * 2 + unit * 2     # two gathered units + one unit's full gradient
     assert cost.memory(ts.Plan.parse("NNN").resolve(DGX64.topology), model, job).buffers == 0
+
+
+def test_backward_peak_follows_the_activations_freed_and_the_gradients_made():
+    from tiershard.cost.memory import activations, backward_peak
+    model = ModelSpec(params=1000, layers=2, hidden=16, vocab=50, trainable=1000)
+    job = Job(micro_batch=1, seq=8, recompute=False)
+    acts, layer = activations(model, job), 34 * 8 * 16
+    # a block's gradients smaller than its layer's activations: the peak is backward's start
+    assert backward_peak(100, [(5, 0), (1, 0), (1, 0)], model, job) == 100 + acts
+    # larger: its end, every gradient made (the root's last) and the blocks' saved activations gone
+    big = 3 * layer
+    assert backward_peak(100, [(5, 0), (big, 0), (big, 0)], model, job) == 100 + acts + 2 * big - 2 * layer + 5
+    # accumulators of the micro-steps before: alive from the start, turned into the gradients unit by unit
+    assert backward_peak(100, [(0, 0), (7, 7), (7, 7)], model, job) == 100 + 14 + acts
 
 
 # ---- bytes: the cost model prices cost/traffic.py's collectives, nothing else --------------------------

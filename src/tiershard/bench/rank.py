@@ -132,7 +132,7 @@ def _watch_memory(trainer) -> dict:
     fills as the warm-up steps run."""
     import tiershard as ts
 
-    from ..cost.memory import accumulator_bytes, breakdown, engine_layouts
+    from ..cost.memory import accumulator_bytes, breakdown, engine_layouts, unit_gradients
 
     model, optimizer = trainer.runner.model, trainer.runner.optimizer
     engine = model._tiershard
@@ -140,7 +140,8 @@ def _watch_memory(trainer) -> dict:
     args = (engine.placement, layouts, engine.topology.rank, PARAM_BYTES)
     between = trainer.setup.micro_steps > 1
     seen: dict = {"states": breakdown(*args, 2, engine.prefetch, trainer.setup.micro_steps), "accumulators": 0,
-                  "predicted_accumulators": accumulator_bytes(engine.placement, layouts) if between else 0}
+                  "predicted_accumulators": accumulator_bytes(engine.placement, layouts) if between else 0,
+                  "units": unit_gradients(engine.placement, layouts, engine.topology.rank, trainer.setup.micro_steps)}
 
     def before_step(opt, a, kw):
         seen["measured"] = ts.memory_stats(model, optimizer, reset_peaks=True)

@@ -71,13 +71,14 @@ def render_table(run: dict) -> str:
 
 def memory_cells(row: dict) -> dict[str, float | None]:
     """Our plans' memory columns (bytes; None for the peers): the measured model states, the peak of gathered
-    weights and matrices in flight, the engine's other buffers, the predicted model states + gathered weights +
-    activations (what the cost model knows to be alive at the step's peak), and the peak RSS over that."""
+    weights and matrices in flight, the engine's other buffers, the predicted model states and activations at
+    their peak over backward + gathered weights (what the cost model knows to be alive at the step's peak), and the
+    peak RSS over that."""
     mem = row.get("memory")
     if not mem:
         return dict.fromkeys(("states", "gathered", "engine_other", "predicted", "peak_vs_predicted"))
     gathered = row["predicted_memory"]["peak_gathered"] + row["predicted_memory"]["peak_gather_buffers"]
-    predicted = row["predicted_states_bytes"] + gathered + row["predicted_activation_bytes"]
+    predicted = row["predicted_peak_bytes"] + gathered
     return {"states": row["states_bytes"], "gathered": mem["peak_gathered"] + mem["peak_gather_buffers"],
             "engine_other": mem["codec_scratch"] + mem["ef_residuals"] + mem["comm_buffers"],
             "predicted": predicted, "peak_vs_predicted": row["peak_bytes"] / predicted if row["peak_bytes"] else None}

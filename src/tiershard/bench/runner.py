@@ -287,8 +287,11 @@ def _memory_columns(per_rank: list[dict | None], spec, job) -> dict:
     (``ts.memory_stats`` before the last warm-up step's optimizer step), the model states of that step at their
     fullest (with the optimizer states after it, and the level-g accumulators between micro-steps where they
     outgrow the gradients), and the same predicted: the cost model's exact ``breakdown`` and
-    ``accumulator_bytes``, plus its activations (``cost.memory.activations``)."""
-    from ..cost.memory import activations
+    ``accumulator_bytes``, plus its activations (``cost.memory.activations``). The predicted states and
+    activations *at the step's peak* follow its last backward (``cost.memory.backward_peak``): the masters'
+    gradients are made unit by unit as the activations are freed (the previous step freed them), from the level-g
+    accumulators of the micro-steps before."""
+    from ..cost.memory import activations, backward_peak
     from ..runtime.api import BREAKDOWN
 
     seen = [m for m in per_rank if m and "measured" in m]
@@ -302,8 +305,11 @@ def _memory_columns(per_rank: list[dict | None], spec, job) -> dict:
                - m["measured"]["gradients"] + max(m["measured"]["gradients"], m["accumulators"]) for m in seen)
     states = max(sum(m["states"][k] for k in BREAKDOWN[:6]) - m["states"]["gradients"]
                  + max(m["states"]["gradients"], m["predicted_accumulators"]) for m in seen)
+    at_peak = max(backward_peak(sum(m["states"][k] for k in BREAKDOWN[:6]) - m["states"]["gradients"], m["units"],
+                                spec, job) for m in seen)
     return {"memory": measured, "predicted_memory": predicted, "states_bytes": held,
-            "predicted_states_bytes": states, "predicted_activation_bytes": activations(spec, job),
+            "predicted_states_bytes": states, "predicted_peak_bytes": at_peak,
+            "predicted_activation_bytes": activations(spec, job),
             "accumulator_bytes": max(m["accumulators"] for m in seen),
             "predicted_accumulator_bytes": max(m["predicted_accumulators"] for m in seen)}
 

@@ -15,8 +15,10 @@ works block by block inside the kernels and needs no copy). Error feedback (``+e
 parameter and every quantized hop, the fp32 residual of that hop's input (``feedback_bytes``;
 ``QuantizedReduceScatter.residual_bytes()`` counts the same on a running engine).
 Activations, per micro-step, assume flash attention (no s^2 term) and half-precision activations, after
-Korthikanti et al.: 34·s·b·h bytes per layer; with recompute only each layer's input (2·s·b·h) is kept,
-plus one layer's working set. The logits and their gradient add 8·s·b·V (fp32).
+Korthikanti et al.: 34·s·b·h bytes per layer; with recompute only each layer's input (2·s·b·h) is kept. Either
+way one layer's working set (34·s·b·h) comes on top: the recomputed activations, or, without recompute, the
+gradients of the activations of the layer whose backward runs (the step's peak is in the first layers of
+backward, where every saved activation is still alive). The logits and their gradient add 8·s·b·V (fp32).
 """
 from __future__ import annotations
 
@@ -105,13 +107,11 @@ def qgz_scratch(pl: Placement, numel: float) -> float:
 
 
 def activations(model: ModelSpec, job: Job) -> float:
-    """Activation bytes of one micro-step on one device."""
+    """Activation bytes of one micro-step on one device at their peak, early in backward: the saved activations
+    (every layer's, or with recompute every layer's input) and one layer's working set."""
     sbh = job.tokens * model.hidden
-    if job.recompute:
-        layers = model.layers * job.param_bytes * sbh + ACT_BYTES_PER_LAYER * sbh
-    else:
-        layers = model.layers * ACT_BYTES_PER_LAYER * sbh
-    return layers + 8 * job.tokens * model.vocab
+    saved = model.layers * (job.param_bytes if job.recompute else ACT_BYTES_PER_LAYER) * sbh
+    return saved + ACT_BYTES_PER_LAYER * sbh + 8 * job.tokens * model.vocab
 
 
 # ---- one sharded model, exactly: the breakdown ts.memory_stats measures ([Note: memory breakdown], engine.py) ----
@@ -183,6 +183,36 @@ def breakdown(pl: Placement, groups: Sequence[GroupLayout], rank: int, param_byt
     windows = [sum(matrices[u] for u in units[i:i + depth]) for i in range(len(units))]
     out["peak_gather_buffers"] = max([matrices.get(0, 0), *windows])
     return out
+
+
+def unit_gradients(pl: Placement, groups: Sequence[GroupLayout], rank: int, micro_steps: int) -> list[tuple[int, int]]:
+    """(masters' gradient bytes, fp32 accumulator bytes between micro-steps) of each unit, in registration order
+    (the root first): what a unit's last backward of a step makes, and what it turns into them (0 with one
+    micro-step)."""
+    units = sorted({g.unit for g in groups})
+    out = []
+    for u in units:
+        mine = [g for g in groups if g.unit == u]
+        grads = breakdown(pl, mine, rank, 2, 0)["gradients"]
+        out.append((grads, accumulator_bytes(pl, mine) if micro_steps > 1 else 0))
+    return out
+
+
+def backward_peak(steady: float, units: Sequence[tuple[int, int]], model: ModelSpec, job: Job) -> float:
+    """Model states + activations at their peak over a step's (last) backward: it starts with every saved
+    activation alive and the accumulators of the micro-steps before; each block's backward then frees its saved
+    activations (one layer's each, the blocks sharing the model's layers) and makes its gradients from its
+    accumulators; the root's come last. ``steady``: the states without gradients or accumulators (masters,
+    optimizer states, frozen and working weights, hpz bands, residuals); ``units``: ``unit_gradients``."""
+    acts = activations(model, job)
+    root, blocks = units[0], units[1:]
+    saved = acts - ACT_BYTES_PER_LAYER * job.tokens * model.hidden - 8 * job.tokens * model.vocab
+    alive = steady + sum(acc for _, acc in units) + acts
+    peak = alive
+    for grads, acc in reversed(blocks):
+        alive += grads - acc - saved / len(blocks)
+        peak = max(peak, alive)
+    return max(peak, alive + root[0] - root[1])
 
 
 def accumulator_bytes(pl: Placement, groups: Sequence[GroupLayout]) -> int:
