@@ -7,7 +7,8 @@ around the collective.
 
 Per backend, the algorithm that moves the fewest bytes: gloo's own reduce-scatter is an all-reduce (twice the
 bytes), so on gloo a reduce-scatter is a ring of point-to-point exchanges, (k-1)/k of the buffer per rank to its
-ring successor; NCCL's is already a ring. ``comm/volume.py`` models exactly these rings, so the ledger counts
+ring successor; NCCL's is already a ring. On gloo an all-gather is the same ring too, received straight into the
+output (gloo's own stages a second output-sized buffer). ``comm/volume.py`` models exactly these rings, so the ledger counts
 what the NICs see. Groups of one rank are a local copy and send nothing.
 
 Each collective runs inside ``failure.guard``: a failure (a rank skipped it or died) becomes one
@@ -49,7 +50,10 @@ def all_gather(out: torch.Tensor, shard: torch.Tensor, group: "TierGroup", topol
     if group.size == 1:
         out.copy_(shard)
         return
-    if group.in_rank_order:
+    if group.backend == "gloo":
+        with guard(op, group, topology):
+            _ring_all_gather(out, shard, group, topology.rank)
+    elif group.in_rank_order:
         with guard(op, group, topology):
             _all_gather_flat(out, shard.contiguous(), group=group.pg)
     else:
@@ -92,6 +96,24 @@ def _ring_reduce_scatter(out: torch.Tensor, by_rank: torch.Tensor, group: "TierG
             work.wait()
         chunks[(me - step - 2) % k] += recv
     out.copy_(chunks[me])
+
+
+def _ring_all_gather(out: torch.Tensor, shard: torch.Tensor, group: "TierGroup", rank: int) -> None:
+    """k-1 steps: pass the shard received last to the ring successor while the predecessor's arrives, straight
+    into its member's slot of ``out`` (in slot order, so no permuted copy either). gloo's own all-gather stages
+    the whole output in a buffer of its own and copies it out: one more output's bytes for as long as it runs,
+    which on the communication thread overlaps the backward computation it prefetches for."""
+    k, me = group.size, group.ranks.index(rank)
+    rows, slots = out.view(k, -1), group.slots
+    after, before = group.ranks[(me + 1) % k], group.ranks[(me - 1) % k]
+    mine = rows[slots[me]]
+    if shard.data_ptr() != mine.data_ptr():    # packed into its own slot already: nothing to copy
+        mine.copy_(shard.view(-1))
+    for step in range(k - 1):
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, rows[slots[(me - step) % k]], after, group.pg),
+                                        dist.P2POp(dist.irecv, rows[slots[(me - step - 1) % k]], before, group.pg)])
+        for work in works:
+            work.wait()
 
 
 def gather_to_first(out: torch.Tensor, shard: torch.Tensor, group: "TierGroup", topology: "Topology",
