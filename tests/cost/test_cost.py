@@ -70,12 +70,29 @@ def test_backward_peak_follows_the_activations_freed_and_the_gradients_made():
     job = Job(micro_batch=1, seq=8, recompute=False)
     acts, layer = activations(model, job), 34 * 8 * 16
     # a block's gradients smaller than its layer's activations: the peak is backward's start
-    assert backward_peak(100, [(5, 0), (1, 0), (1, 0)], model, job) == 100 + acts
-    # larger: its end, every gradient made (the root's last) and the blocks' saved activations gone
+    assert backward_peak(100, [(5, 0, 0), (1, 0, 0), (1, 0, 0)], model, job) == 100 + acts
+    # larger: its end, every gradient made (the root's last), the blocks' saved activations and working set gone
     big = 3 * layer
-    assert backward_peak(100, [(5, 0), (big, 0), (big, 0)], model, job) == 100 + acts + 2 * big - 2 * layer + 5
+    assert backward_peak(100, [(5, 0, 0), (big, 0, 0), (big, 0, 0)], model, job) == \
+        100 + acts + 2 * big - 2 * layer - layer + 5
     # accumulators of the micro-steps before: alive from the start, turned into the gradients unit by unit
-    assert backward_peak(100, [(0, 0), (7, 7), (7, 7)], model, job) == 100 + 14 + acts
+    assert backward_peak(100, [(0, 0, 0), (7, 7, 0), (7, 7, 0)], model, job) == 100 + 14 + acts
+    # a reduction's transient bytes, in place of the working set of its block's backward, which is done
+    assert backward_peak(100, [(0, 0, 0), (1, 0, 0), (1, 0, 3 * layer)], model, job) == 100 + acts + 1 + layer
+
+
+def test_unit_gradients_transients_follow_the_reduction():
+    """A replicated g sums the whole (slots x U) matrix in fp32 beside it; a sharded one only its level-g chunk,
+    so cutting the matrix from the working gradients is the larger moment."""
+    from tiershard.cost.memory import GroupLayout, unit_gradients
+    topo = ts.Topology((2, 4))
+    groups = [GroupLayout(0, True, 800, ()), GroupLayout(1, True, 1600, ())]
+    for plan, g_size in (("NNG", 1), ("GGG", 8)):
+        units = unit_gradients(ts.Plan.parse(plan).resolve(topo), groups, 0, 1, 2, 2)
+        for (_, acc, transient), group in zip(units, groups):
+            S = group.numel
+            assert acc == 0
+            assert transient == max(4 * S, 2 * S + 4 * S // g_size)
 
 
 # ---- bytes: the cost model prices cost/traffic.py's collectives, nothing else --------------------------

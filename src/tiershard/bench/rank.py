@@ -141,7 +141,8 @@ def _watch_memory(trainer) -> dict:
     between = trainer.setup.micro_steps > 1
     seen: dict = {"states": breakdown(*args, 2, engine.prefetch, trainer.setup.micro_steps), "accumulators": 0,
                   "predicted_accumulators": accumulator_bytes(engine.placement, layouts) if between else 0,
-                  "units": unit_gradients(engine.placement, layouts, engine.topology.rank, trainer.setup.micro_steps)}
+                  "units": unit_gradients(engine.placement, layouts, engine.topology.rank, trainer.setup.micro_steps,
+                                          PARAM_BYTES, REDUCE_BYTES)}
 
     def before_step(opt, a, kw):
         seen["measured"] = ts.memory_stats(model, optimizer, reset_peaks=True)

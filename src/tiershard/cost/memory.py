@@ -185,34 +185,45 @@ def breakdown(pl: Placement, groups: Sequence[GroupLayout], rank: int, param_byt
     return out
 
 
-def unit_gradients(pl: Placement, groups: Sequence[GroupLayout], rank: int, micro_steps: int) -> list[tuple[int, int]]:
-    """(masters' gradient bytes, fp32 accumulator bytes between micro-steps) of each unit, in registration order
-    (the root first): what a unit's last backward of a step makes, and what it turns into them (0 with one
-    micro-step)."""
+def unit_gradients(pl: Placement, groups: Sequence[GroupLayout], rank: int, micro_steps: int, param_bytes: int,
+                   reduce_bytes: int) -> list[tuple[int, int, int]]:
+    """For each unit, in registration order (the root first): the masters' gradient bytes its last backward of a
+    step makes, the fp32 accumulator bytes between micro-steps it turns into them (0 with one micro-step), and the
+    transient bytes of its reduction: the working gradients and the (slots x U) matrix cut from them, or, on the
+    stream, the matrix and its fp32 sum (a whole one when g is replicated, a level-g chunk otherwise)."""
     units = sorted({g.unit for g in groups})
     out = []
     for u in units:
         mine = [g for g in groups if g.unit == u]
         grads = breakdown(pl, mine, rank, 2, 0)["gradients"]
-        out.append((grads, accumulator_bytes(pl, mine) if micro_steps > 1 else 0))
+        transient = 0
+        for g in mine:
+            if g.trainable:
+                making = (param_bytes + reduce_bytes) * g.numel
+                summing = reduce_bytes * g.numel + 4 * g.numel // pl.size(pl.g)
+                transient += max(making, summing)
+        out.append((grads, accumulator_bytes(pl, mine) if micro_steps > 1 else 0, transient))
     return out
 
 
-def backward_peak(steady: float, units: Sequence[tuple[int, int]], model: ModelSpec, job: Job) -> float:
+def backward_peak(steady: float, units: Sequence[tuple[int, int, int]], model: ModelSpec, job: Job) -> float:
     """Model states + activations at their peak over a step's (last) backward: it starts with every saved
     activation alive and the accumulators of the micro-steps before; each block's backward then frees its saved
-    activations (one layer's each, the blocks sharing the model's layers) and makes its gradients from its
-    accumulators; the root's come last. ``steady``: the states without gradients or accumulators (masters,
+    activations (one layer's each, the blocks sharing the model's layers), makes its gradients from its
+    accumulators and reduces them (its reduction's transient bytes in place of the backward's working set, one
+    reduction at a time: [Note: one reduction in flight]); the root's come last. ``steady``: the states without gradients or accumulators (masters,
     optimizer states, frozen and working weights, hpz bands, residuals); ``units``: ``unit_gradients``."""
     acts = activations(model, job)
+    working = ACT_BYTES_PER_LAYER * job.tokens * model.hidden
     root, blocks = units[0], units[1:]
-    saved = acts - ACT_BYTES_PER_LAYER * job.tokens * model.hidden - 8 * job.tokens * model.vocab
-    alive = steady + sum(acc for _, acc in units) + acts
+    saved = acts - working - 8 * job.tokens * model.vocab
+    alive = steady + sum(unit[1] for unit in units) + acts
     peak = alive
-    for grads, acc in reversed(blocks):
+    for grads, acc, transient in reversed(blocks):
         alive += grads - acc - saved / len(blocks)
-        peak = max(peak, alive)
-    return max(peak, alive + root[0] - root[1])
+        peak = max(peak, alive - working + transient)    # the block's backward is done: its reduction instead
+    alive += root[0] - root[1]
+    return max(peak, alive - working + root[2])
 
 
 def accumulator_bytes(pl: Placement, groups: Sequence[GroupLayout]) -> int:
