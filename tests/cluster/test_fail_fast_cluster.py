@@ -39,26 +39,25 @@ def _arm(scenario: str, per_node: int) -> None:
         print(f"KILLED {time.time()!r}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    if scenario == "all_gather":
-        real_gather = C._all_gather_flat
+    # on gloo both collectives are rings of point-to-point steps: die in a step of the scenario's own
+    ring = "_ring_all_gather" if scenario == "all_gather" else "_ring_reduce_scatter"
+    real_ring, real_p2p, inside = getattr(C, ring), dist.batch_isend_irecv, [False]
 
-        def gather(out, shard, group=None, async_op=False):
-            if spans_nodes(group):
-                real_gather(out, shard, group=group, async_op=True)     # the peers are in it with this rank
-                time.sleep(0.05)
-                die()
-            return real_gather(out, shard, group=group, async_op=async_op)
-        C._all_gather_flat = gather
-    else:
-        real_p2p = dist.batch_isend_irecv
+    def armed_ring(*args, **kwargs):
+        inside[0] = True
+        try:
+            return real_ring(*args, **kwargs)
+        finally:
+            inside[0] = False
 
-        def ring_step(ops):
-            works = real_p2p(ops)
-            if spans_nodes(ops[0].group):
-                time.sleep(0.05)
-                die()
-            return works
-        dist.batch_isend_irecv = ring_step
+    def ring_step(ops):
+        works = real_p2p(ops)                   # the peers are in it with this rank
+        if inside[0] and spans_nodes(ops[0].group):
+            time.sleep(0.05)
+            die()
+        return works
+    setattr(C, ring, armed_ring)
+    dist.batch_isend_irecv = ring_step
 
 
 def job(scenario: str, folder: str) -> None:
