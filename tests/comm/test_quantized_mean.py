@@ -156,6 +156,19 @@ def _check(rank, world, sizes):
                 scales = codec.encode(e, seed=0).scales.double()
                 bound = _step(codec) * math.sqrt(min(codec.block, n) * (scales ** 2).sum().item()) + 1e-6
                 out["gather"].append((spec, case[0], c, (g - e).double().norm().item(), bound, e.norm().item()))
+    # the exact gather itself (on gloo a ring received into the slots) against gloo's own, placed by slot, on
+    # every group, from a shard that is not contiguous
+    import torch.distributed as dist
+    out["ring_gather"] = []
+    for inner, outer in ((0, 1), (1, 2), (0, 2)):
+        group = topo.group_for(rank, inner, outer)
+        src = (torch.arange(100, dtype=torch.float32) + 1000 * rank).view(50, 2)[:, 0]
+        ring, by_rank = torch.full((group.size * 50,), -1.0), torch.empty(group.size * 50)
+        C.all_gather(ring, src, group, topo, "test")
+        dist.all_gather_into_tensor(by_rank, src.contiguous(), group=group.pg)
+        want = torch.empty_like(by_rank)
+        want.view(group.size, -1)[torch.tensor(group.slots)] = by_rank.view(group.size, -1)
+        out["ring_gather"].append((group.size, group.backend, torch.equal(ring, want)))
     codec = codec_from_spec("int4:128:h:sr")
     shard = _inputs(CASES[0], rank, world, False)[0][rank][:1001]
     gather = quantized.QuantizedGather(codec)
@@ -184,6 +197,8 @@ def test_quantized_collectives_equal_the_exact_result_within_the_bit_bound():
         assert mean_err < 3 * one_err / math.sqrt(SR_RUNS) and same_bits, (rank, mean_err, one_err)
         runs, same = res["pipeline"]
         assert runs > 1 and same, (rank, runs)
+        assert [size for size, _, _ in res["ring_gather"]] == [2, 2, 4], res["ring_gather"]
+        assert all(backend == "gloo" and same for _, backend, same in res["ring_gather"]), res["ring_gather"]
         same, differs, held, expected, counters = res["resume"]
         assert same and differs and held == expected and counters == {"'u'": 3}, (rank, res["resume"])
 

@@ -108,7 +108,7 @@ def _ring_all_gather(out: torch.Tensor, shard: torch.Tensor, group: "TierGroup",
     after, before = group.ranks[(me + 1) % k], group.ranks[(me - 1) % k]
     mine = rows[slots[me]]
     if shard.data_ptr() != mine.data_ptr():    # packed into its own slot already: nothing to copy
-        mine.copy_(shard.view(-1))
+        mine.copy_(shard.reshape(-1))
     for step in range(k - 1):
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, rows[slots[(me - step) % k]], after, group.pg),
                                         dist.P2POp(dist.irecv, rows[slots[(me - step - 1) % k]], before, group.pg)])
