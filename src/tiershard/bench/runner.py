@@ -303,10 +303,11 @@ def _memory_columns(per_rank: list[dict | None], spec, job) -> dict:
     # larger, and optimizer states (after it) together
     held = max(m["measured"]["model_states"] - m["measured"]["optimizer_states"] + m["optimizer_after_step"]
                - m["measured"]["gradients"] + max(m["measured"]["gradients"], m["accumulators"]) for m in seen)
-    states = max(sum(m["states"][k] for k in BREAKDOWN[:6]) - m["states"]["gradients"]
-                 + max(m["states"]["gradients"], m["predicted_accumulators"]) for m in seen)
-    at_peak = max(backward_peak(sum(m["states"][k] for k in BREAKDOWN[:6]) - m["states"]["gradients"], m["units"],
-                                spec, job) for m in seen)
+    def steady(m: dict) -> int:        # the predicted model states without the masters' gradients
+        return sum(m["states"][k] for k in BREAKDOWN[:6]) - m["states"]["gradients"]
+
+    states = max(steady(m) + max(m["states"]["gradients"], m["predicted_accumulators"]) for m in seen)
+    at_peak = max(backward_peak(steady(m), m["units"], spec, job) for m in seen)
     return {"memory": measured, "predicted_memory": predicted, "states_bytes": held,
             "predicted_states_bytes": states, "predicted_peak_bytes": at_peak,
             "predicted_activation_bytes": activations(spec, job),

@@ -8,8 +8,8 @@ around the collective.
 Per backend, the algorithm that moves the fewest bytes: gloo's own reduce-scatter is an all-reduce (twice the
 bytes), so on gloo a reduce-scatter is a ring of point-to-point exchanges, (k-1)/k of the buffer per rank to its
 ring successor; NCCL's is already a ring. On gloo an all-gather is the same ring too, received straight into the
-output (gloo's own stages a second output-sized buffer). ``comm/volume.py`` models exactly these rings, so the ledger counts
-what the NICs see. Groups of one rank are a local copy and send nothing.
+output (gloo's own stages a second output-sized buffer). ``comm/volume.py`` models exactly these rings, so the
+ledger counts what the NICs see. Groups of one rank are a local copy and send nothing.
 
 Each collective runs inside ``failure.guard``: a failure (a rank skipped it or died) becomes one
 ``CollectiveError`` naming the operation, the unit, the tier and the missing ranks ([Note: bounded collectives]).

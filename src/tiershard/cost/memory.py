@@ -211,8 +211,9 @@ def backward_peak(steady: float, units: Sequence[tuple[int, int, int]], model: M
     activation alive and the accumulators of the micro-steps before; each block's backward then frees its saved
     activations (one layer's each, the blocks sharing the model's layers), makes its gradients from its
     accumulators and reduces them (its reduction's transient bytes in place of the backward's working set, one
-    reduction at a time: [Note: one reduction in flight]); the root's come last. ``steady``: the states without gradients or accumulators (masters,
-    optimizer states, frozen and working weights, hpz bands, residuals); ``units``: ``unit_gradients``."""
+    reduction at a time: [Note: one reduction in flight]); the root's come last. ``steady``: the states without
+    gradients or accumulators (masters, optimizer states, frozen and working weights, hpz bands, residuals);
+    ``units``: ``unit_gradients``."""
     acts = activations(model, job)
     working = ACT_BYTES_PER_LAYER * job.tokens * model.hidden
     root, blocks = units[0], units[1:]

@@ -502,23 +502,19 @@ def encode_wire_seg(codec: Codec, x: Tensor, k: int, n: int, out: Tensor, order:
                                                             ALIGN=layout.align, enable_fp_fusion=False)
 
 
-def _seg_tile(codec: Codec) -> int:
-    return min(max(_pow2(codec.block), 16), _TILE)
-
-
 def decode_wire_seg(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor, layout) -> None:
-    """``decode_wire`` for chunks cut by a row layout: one program per (block, chunk, tile of the block)."""
+    """``decode_wire`` for chunks cut by a row layout: one program per (block, chunk, tile of the block); blocks
+    that fit one tile go through the grouped kernels (``_grouped``)."""
     if _grouped(codec):
         decode_wire_x(codec, wire, k, n, out, layout, False)
         return
     nbt = _seg_blocks(layout, n)
     if nbt == 0 or k == 0:
         return
-    tile = _seg_tile(codec)
     P4 = codec.padded_payload_bytes(n)
-    _decode_seg[(nbt, k, triton.cdiv(codec.block, tile))](wire, out, layout.table(wire.device), n, layout.nbr,
-                                                          layout.U, P4 + 4 * nbt, P4, BITS=codec.bits, TILE=tile,
-                                                          ALIGN=layout.align, enable_fp_fusion=False)
+    _decode_seg[(nbt, k, triton.cdiv(codec.block, _TILE))](wire, out, layout.table(wire.device), n, layout.nbr,
+                                                           layout.U, P4 + 4 * nbt, P4, BITS=codec.bits, TILE=_TILE,
+                                                           ALIGN=layout.align, enable_fp_fusion=False)
 
 
 def decode_wire_sum_seg(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor, layout) -> None:
@@ -532,21 +528,21 @@ def decode_wire_sum_seg(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor,
     nbt = _seg_blocks(layout, n)
     if nbt == 0:
         return
-    tile = _seg_tile(codec)
     P4 = codec.padded_payload_bytes(n)
-    _decode_seg_sum[(nbt, triton.cdiv(codec.block, tile))](wire, out, layout.table(wire.device), k, n, layout.nbr,
-                                                           layout.U, P4 + 4 * nbt, P4, BITS=codec.bits, TILE=tile,
-                                                           ALIGN=layout.align, enable_fp_fusion=False)
+    _decode_seg_sum[(nbt, triton.cdiv(codec.block, _TILE))](wire, out, layout.table(wire.device), k, n, layout.nbr,
+                                                            layout.U, P4 + 4 * nbt, P4, BITS=codec.bits, TILE=_TILE,
+                                                            ALIGN=layout.align, enable_fp_fusion=False)
 
 
 # ---- rotated and stochastic formats (format.py: "Rotation", "Stochastic rounding") ----------------------------
 # Parallel to kernels.c's ts_encode_x / ts_decode_x. One program per (block, chunk), blocks on grid axis 0; the
 # block is read in tiles of XT values (a multiple of 32, so rotation groups never straddle two tiles): a first pass
 # takes the absmax of the rotated values, a second quantizes them. int8 values go straight to the wire. int4 values
-# of flat chunks with an even block are packed by the grouped kernel itself (every block starts on an even value);
-# otherwise they go one a byte to a staging tensor that a second kernel packs (a block may start on an odd value, and
-# no two programs may write one byte). Row layouts are staged even when every width is even: packing them in the
-# encode kernel gave the same bits but took 25% longer on an H200 (docs/codecs.md).
+# of flat chunks with an even block, and of row layouts aligned for 16-byte loads, are packed by the grouped kernel
+# itself (every block starts on an even value); otherwise they go one a byte to a staging tensor that a second kernel
+# packs (a block may start on an odd value, and no two programs may write one byte). Row layouts with even but
+# smaller alignment stay staged: packing them in the encode kernel, with 4-byte loads, took 25% longer on an H200;
+# with 16-byte loads (`align` 16) rows encode 1.7-2x as fast as odd-width ones, staged (docs/codecs.md).
 _NORM32 = tl.constexpr(0.17677669529663687)  # fp32(32 ** -0.5); read inside kernels: constexpr
 
 
@@ -706,8 +702,8 @@ def _decode_tile(wire_ptr, out_ptr, k, n, W, P4, e, mask, j, m, t, BITS: tl.cons
 def _encode_xg(x_ptr, order_ptr, out_ptr, q_ptr, tab_ptr, n, nbr, U, block, W, P4, nbt, seed_lo, seed_hi,
                HAS_ORDER: tl.constexpr, SEG: tl.constexpr, BITS: tl.constexpr, ROTATE: tl.constexpr,
                SR: tl.constexpr, XT: tl.constexpr, GB: tl.constexpr, PACK: tl.constexpr, ALIGN: tl.constexpr):
-    """GB blocks of chunk order[i] into wire row i; int4 values are packed here (PACK: flat chunks, even block), else
-    staged for _pack4_x."""
+    """GB blocks of chunk order[i] into wire row i; int4 values are packed here (PACK: every block starts on an even
+    value), else staged for _pack4_x."""
     jj = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
     i = tl.program_id(1)
     valid = jj < nbt
@@ -816,8 +812,9 @@ def encode_wire_x(codec: Codec, x: Tensor, k: int, n: int, out: Tensor, order: T
     key = 0 if seed is None else seed
     XT, GB = _x_tile(codec), _x_group(codec)
     align = layout.align if seg else 1
-    # every block starts and ends on an even value (in a row layout: every offset even), so no byte has two writers
-    pack = codec.bits == 4 and bool(GB) and (align % 2 == 0 if seg else codec.block % 2 == 0)
+    # every block starts and ends on an even value, so no byte has two writers; a row layout also loads 16-byte
+    # vectors, without which packing here measured slower than staging (see above)
+    pack = codec.bits == 4 and bool(GB) and (align * x.element_size() >= 16 if seg else codec.block % 2 == 0)
     staged = x.new_empty(k * n, dtype=torch.int8) if codec.bits == 4 and not pack else out
     if GB:
         _encode_xg[(triton.cdiv(nbt, GB), k)](x, order_arg, out, staged, tab, n, nbr, U, codec.block, W, P4, nbt,
