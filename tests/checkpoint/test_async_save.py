@@ -65,13 +65,39 @@ def async_run(rank, world, root):
     out["trained_differs"] = not _same(_local_state(model, opt), saved)
 
     # a second save waits for the first: a synchronous save right after an asynchronous one. Before it, the
-    # staging buffers are closed as torch 2.11's dcp.async_save closes the stager it is given: a new one is made
+    # stager is closed as torch 2.11's dcp.async_save closes the stager it is given: its buffers serve on
     from tiershard.checkpoint.sharded import _engine
-    _engine(model)._tiershard_stager.close()
+    stager = _engine(model)._tiershard_stager
+    buffers = sorted(b.data_ptr() for b in stager.buffers())
+    stager.close()
     first = ts.save(root / "order" / "step_2", model, opt, async_save=True)
     ts.save(root / "order" / "step_3", model, opt)
     out["first_done_before_second"] = first.done() and first.exception() is None
     out["order_latest"] = latest(root / "order").name
+    out["buffers_reused"] = (_engine(model)._tiershard_stager is stager and len(buffers) > 0
+                             and sorted(b.data_ptr() for b in stager.buffers()) == buffers)
+
+    # the staged copy: every tensor equal, on the CPU, DTensors with their placements, shared storages still
+    # shared (the tied embedding and head), one buffer per storage, plain entries copied
+    from torch.distributed.tensor import DTensor
+    from tiershard.checkpoint.sharded import _state
+    from tiershard.checkpoint.staging import ShardStager, _local
+    from torch.utils._pytree import tree_flatten
+
+    state = _state(model, opt)
+    staged = ShardStager(torch.device("cpu")).stage(state).result()
+    pairs = list(zip(tree_flatten(state)[0], tree_flatten(staged)[0]))
+    tensors = [(a, b) for a, b in pairs if isinstance(a, torch.Tensor)]
+    out["staged_equal"] = len(tensors) > 0 and all(
+        type(a) is type(b) and torch.equal(_local(a), _local(b)) and _local(b).device.type == "cpu"
+        and (not isinstance(a, DTensor) or a._spec == b._spec) for a, b in tensors)
+    out["staged_plain"] = all(a == b for a, b in pairs if not isinstance(a, torch.Tensor))
+    sources = {_local(a).untyped_storage().data_ptr() for a, _ in tensors}
+    copies = {_local(b).untyped_storage().data_ptr() for _, b in tensors}
+    out["staged_storages"] = (len(sources), len(copies), sources.isdisjoint(copies))
+    model_sd = staged["model"]
+    out["staged_tied"] = (_local(model_sd["wte.weight"]).untyped_storage().data_ptr()
+                          == _local(model_sd["head.weight"]).untyped_storage().data_ptr())
 
     # a save whose write fails (rank 1's disk) changes neither the previous checkpoint nor latest
     original = fs.FileSystemWriter.write_data
@@ -130,14 +156,13 @@ def async_run(rank, world, root):
         out["same_logits"] = torch.equal(model(probe), logits)
 
     # the copy is taken in the background; held back here until released, so the orders below are certain
-    from torch.distributed.checkpoint.staging import DefaultStager
-    gate, stage = threading.Event(), DefaultStager._stage
+    gate, stage = threading.Event(), ShardStager._stage
 
     def held(self, *args, **kwargs):
         gate.wait(60)
         return stage(self, *args, **kwargs)
 
-    DefaultStager._stage = held
+    ShardStager._stage = held
     try:
         # the optimizer's step waits for the copy: the checkpoint holds the state before the step
         before_step = _local_state(model, opt)
@@ -165,7 +190,7 @@ def async_run(rank, world, root):
         next(model.parameters()).data.add_(1.0)
         through_data.result()
     finally:
-        DefaultStager._stage = stage
+        ShardStager._stage = stage
     ts.load(root / "held" / "step_5", model, opt)
     out["held_equals_state_before_step"] = _same(_local_state(model, opt), before_step)
     ts.load(root / "held" / "step_7", model, opt)
@@ -189,8 +214,16 @@ def test_async_save_equals_sync_save_and_a_failed_write_changes_nothing(results)
         assert out["async_equals_sync_state"] and out["sync_equals_state"]
         assert out["extra"] == {"rank": rank}
         assert out["first_done_before_second"] and out["order_latest"] == "step_3"
+        assert out["buffers_reused"]
         assert out["failed"] is not None and "No space left on device" in out["failed"], out["failed"]
         assert out["latest_after_failure"] == "step_1" and not out["step_4_exists"]
+
+
+def test_the_staged_copy_holds_every_tensor_and_shares_what_the_state_shares(results):
+    for out in results[1]:
+        assert out["staged_equal"] and out["staged_plain"] and out["staged_tied"]
+        sources, copies, disjoint = out["staged_storages"]
+        assert sources == copies and disjoint
 
 
 def test_a_load_into_a_fresh_optimizer_sets_one_gradient_at_a_time(results):

@@ -446,17 +446,14 @@ def _save_async(state: dict, tmp: Path, path: Path, token: str, engine) -> SaveF
     the moment it ends: the save then fails on every rank, naming the tensor, instead of writing a torn
     checkpoint. The copy's buffers are made by the first asynchronous save and kept with the model for the next
     ones (a second save waits for the first, so one copy is enough: memory of this rank's shards, held from then
-    on)."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    on); ``staging.ShardStager`` makes them."""
+    from .staging import ShardStager
 
     rank, _ = _rank_world()
     group = _async_group(engine.topology)
     stager = getattr(engine, "_tiershard_stager", None)
-    if stager is None or _closed(stager):   # kept with the model: its buffers (pinned: slow to make) serve later saves
-        stager = DefaultStager(StagingOptions(use_pinned_memory=engine.device.type == "cuda",
-                                              use_shared_memory=False, use_async_staging=True,
-                                              use_non_blocking_copy=False))
-        engine._tiershard_stager = stager
+    if stager is None:              # kept with the model: its buffers (pinned: slow to make) serve later saves
+        stager = engine._tiershard_stager = ShardStager(engine.device)
     before = _versions(state)
     response = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group, async_stager=stager)
     copied: Future = Future()      # set only once the versions are read: no waiting writer runs before
@@ -494,14 +491,6 @@ def _save_async(state: dict, tmp: Path, path: Path, token: str, engine) -> SaveF
     engine._tiershard_saving = handle
     threading.Thread(target=finish, name=f"tiershard-save-{path.name}").start()
     return handle
-
-
-def _closed(stager) -> bool:
-    """Whether DCP closed the stager after the save it was given to (torch 2.11 does, 2.13 leaves a stager it did
-    not make open): a closed one has dropped its copy rules and fails on the next save ("KeyError: <class
-    'type'>"), so a new one is made, with new buffers."""
-    inner = getattr(stager, "_state_dict_stager", None)
-    return inner is not None and not getattr(inner, "_deepcopy_dispatch", True)
 
 
 def _versions(state: dict) -> dict[str, tuple[int, int]]:
