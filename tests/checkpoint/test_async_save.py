@@ -68,14 +68,14 @@ def async_run(rank, world, root):
     # stager is closed as torch 2.11's dcp.async_save closes the stager it is given: its buffers serve on
     from tiershard.checkpoint.sharded import _engine
     stager = _engine(model)._tiershard_stager
-    buffers = sorted(b.data_ptr() for b in stager.buffers())
+    buffers = stager.buffers()                      # held: a buffer made anew could not reuse their memory
     stager.close()
     first = ts.save(root / "order" / "step_2", model, opt, async_save=True)
     ts.save(root / "order" / "step_3", model, opt)
     out["first_done_before_second"] = first.done() and first.exception() is None
     out["order_latest"] = latest(root / "order").name
     out["buffers_reused"] = (_engine(model)._tiershard_stager is stager and len(buffers) > 0
-                             and sorted(b.data_ptr() for b in stager.buffers()) == buffers)
+                             and {id(b) for b in stager.buffers()} == {id(b) for b in buffers})
 
     # the staged copy: every tensor equal, on the CPU, DTensors with their placements, shared storages still
     # shared (the tied embedding and head), one buffer per storage, plain entries copied
