@@ -23,6 +23,7 @@ shared, so the best run is the least disturbed one, and alternating exposes all 
 
     .venv/bin/python benchmarks/codec_throughput.py                 # fused kernels (the default backend)
     TIERSHARD_CODEC_KERNELS=torch .venv/bin/python benchmarks/codec_throughput.py --sizes 1M   # reference path
+    .venv/bin/python benchmarks/codec_throughput.py --sizes 1M --dtypes float32 --codecs int8:128:h int4:128:h:sr
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import time
 
 import torch
 
-from tiershard.comm.codecs import INT4, INT8, BlockCodec, kernel_status
+from tiershard.comm.codecs import INT4, INT8, BlockCodec, codec_from_spec, kernel_status
 
 K = 8
 
@@ -74,7 +75,8 @@ def measure(codec: BlockCodec, n: int, dtype: torch.dtype, reps: int,
         segments = None if layout == "flat" else tuple(row_layout(chunk // ROWS))
         wire = torch.empty(K * codec.wire_bytes(chunk, segments), dtype=torch.uint8)
         ops[layout, "memcpy"] = lambda: y.copy_(x)
-        ops[layout, "encode"] = lambda w=wire, s=segments: codec.encode_wire(x, K, w, order, s)
+        seed = {"seed": 1} if codec.stochastic else {}
+        ops[layout, "encode"] = lambda w=wire, s=segments: codec.encode_wire(x, K, w, order, s, **seed)
         ops[layout, "decode"] = lambda w=wire, s=segments: codec.decode_wire(w, K, chunk, out, segments=s)
         ops[layout, "sum"] = lambda w=wire, s=segments: codec.decode_wire_sum(w, K, chunk, total, segments=s)
     best = dict.fromkeys(ops, float("inf"))
@@ -96,6 +98,8 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--layouts", nargs="+", default=["flat", "rows"], choices=["flat", "rows"])
+    ap.add_argument("--codecs", nargs="+", default=[INT8.spec, INT4.spec],
+                    help="codec specs, e.g. int8:128:h int4:128:h:sr (qgZ's default hops)")
     args = ap.parse_args()
 
     status = kernel_status()
@@ -114,7 +118,7 @@ def main() -> None:
             for dname in args.dtypes:
                 dtype = getattr(torch, dname)
                 nbytes = n * dtype.itemsize
-                for codec in (INT8, INT4):
+                for codec in map(codec_from_spec, args.codecs):
                     times = measure(codec, n, dtype, args.reps, tuple(args.layouts))
                     for layout, t in times.items():
                         gbs = {key: nbytes / sec / 1e9 for key, sec in t.items()}

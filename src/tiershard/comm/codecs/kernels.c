@@ -853,9 +853,11 @@ static void dq_values(const uint8_t* prow, int64_t p, int64_t m, int bits, float
 }
 
 /* A group of 32 values in four 8-lane registers, r[R] holding values 8R..8R+7. The stages h = 1, 2, 4 pair values
-   inside a register, so each first trades its index bit with a register index bit (one two-input shuffle per
-   register), and every butterfly then adds and subtracts whole registers: each output is still the a + b or a - b of
-   the same two values, so the bits equal the scalar order's. The last two trades put every index bit back in place. */
+   inside a register: one one-input shuffle brings every lane its partner b (lane p ^ h), and lane p becomes
+   fma(x, s, b) with s = +1 where p & h == 0 (x + b: a + b of the pair) and -1 elsewhere (-x + b: a - b). A product
+   by +-1 is exact and -x + b rounds as b - x, so the bits equal the scalar order's. The stages h = 8, 16 add and
+   subtract whole registers. One shuffle per register and stage: 12 a group, where trading index bits between
+   registers took 20 (the shuffle port is what the transform waits on). */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__AVX__)  /* 8-lane vectors; plain loops elsewhere */
 #define TS_VEC 1
 typedef float ts_v8f __attribute__((vector_size(32)));
@@ -863,20 +865,30 @@ typedef int32_t ts_v8i __attribute__((vector_size(32)));
 typedef uint32_t ts_v8u __attribute__((vector_size(32)));
 typedef uint16_t ts_v8h __attribute__((vector_size(16)));
 typedef int8_t ts_v8b __attribute__((vector_size(8)));
-#define TS_TRADE(P, Q, E0, E1, E2, E3, E4, E5, E6, E7, O0, O1, O2, O3, O4, O5, O6, O7) do { \
-        const ts_v8f a_ = r[P], b_ = r[Q]; \
-        const ts_v8f e_ = __builtin_shuffle(a_, b_, (ts_v8i){E0, E1, E2, E3, E4, E5, E6, E7}); \
-        const ts_v8f o_ = __builtin_shuffle(a_, b_, (ts_v8i){O0, O1, O2, O3, O4, O5, O6, O7}); \
-        r[P] = e_ + o_; r[Q] = e_ - o_; } while (0)
-#define TS_LOW(P, Q) TS_TRADE(P, Q, 0, 2, 8, 10, 4, 6, 12, 14, 1, 3, 9, 11, 5, 7, 13, 15)   /* lane bit 0 in */
-#define TS_HALF(P, Q) TS_TRADE(P, Q, 0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)  /* lane bit 2 in */
+static inline __attribute__((always_inline)) ts_v8f ts_pm(ts_v8f x, ts_v8f s, ts_v8f b) {  /* x * s + b, s = +-1 */
+#if defined(__FMA__)
+    return (ts_v8f)_mm256_fmadd_ps((__m256)x, (__m256)s, (__m256)b);
+#else
+    return x * s + b;  /* the product is exact: one rounding, as the fused form */
+#endif
+}
+#define TS_STAGE(S, ...) do { \
+        for (int R_ = 0; R_ < 4; R_++) r[R_] = ts_pm(r[R_], S, __builtin_shuffle(r[R_], (ts_v8i){__VA_ARGS__})); \
+    } while (0)
 static inline __attribute__((always_inline)) void fwht_v(ts_v8f* restrict r) {
-    /* index bits held by (lane bits 0, 1, 2 | register bits 0, 1), from (0, 1, 2 | 3, 4) */
-    TS_LOW(0, 1); TS_LOW(2, 3);    /* h = 1:  (1, 3, 2 | 0, 4) */
-    TS_LOW(0, 1); TS_LOW(2, 3);    /* h = 2:  (3, 0, 2 | 1, 4) */
-    TS_HALF(0, 2); TS_HALF(1, 3);  /* h = 4:  (3, 0, 4 | 1, 2) */
-    TS_LOW(0, 1); TS_LOW(2, 3);    /* h = 8:  (0, 1, 4 | 3, 2) */
-    TS_HALF(0, 2); TS_HALF(1, 3);  /* h = 16: (0, 1, 2 | 3, 4), the natural order again */
+    const ts_v8f s1 = {1, -1, 1, -1, 1, -1, 1, -1}, s2 = {1, 1, -1, -1, 1, 1, -1, -1};
+    const ts_v8f s4 = {1, 1, 1, 1, -1, -1, -1, -1};
+    TS_STAGE(s1, 1, 0, 3, 2, 5, 4, 7, 6);    /* h = 1 */
+    TS_STAGE(s2, 2, 3, 0, 1, 6, 7, 4, 5);    /* h = 2 */
+    TS_STAGE(s4, 4, 5, 6, 7, 0, 1, 2, 3);    /* h = 4 */
+    ts_v8f a = r[0], b = r[1];               /* h = 8 */
+    r[0] = a + b; r[1] = a - b;
+    a = r[2]; b = r[3];
+    r[2] = a + b; r[3] = a - b;
+    a = r[0]; b = r[2];                      /* h = 16 */
+    r[0] = a + b; r[2] = a - b;
+    a = r[1]; b = r[3];
+    r[1] = a + b; r[3] = a - b;
     const ts_v8f n = {TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32};
     r[0] *= n; r[1] *= n; r[2] *= n; r[3] *= n;
 }
@@ -958,18 +970,23 @@ static inline __attribute__((always_inline)) ts_v8f dq8(const uint8_t* prow, int
 #endif
 #if TS_AVX512
 /* A group of 32 values in two 16-lane registers, r0 holding values 0..15, r1 16..31. Stages h = 1, 2, 4, 8 pair
-   lanes of one register: t is the register with each lane's partner (lane ^ h) in its place, and a lane takes r + t
-   (a + b) where bit h of its index is clear, t - r (a - b) where it is set. Stage 16 pairs the registers. Every output
-   is the a + b or a - b of the same two values as the scalar order's, so the bits are the same; per group, 8 shuffles
-   where the 8-lane form needs 20. */
-#define TS_ZSTAGE(R, T, M) do { const __m512 t_ = (T); R = _mm512_mask_sub_ps(_mm512_add_ps(R, t_), (M), t_, R); } while (0)
+   lanes of one register: t is the register with each lane's partner (lane ^ h) in its place, and a lane takes
+   fma(r, s, t) with s = +1 where bit h of its index is clear (r + t: a + b) and -1 where it is set (t - r: a - b; a
+   product by +-1 is exact, so one rounding as the subtraction's). Stage 16 pairs the registers. Every output is the
+   a + b or a - b of the same two values as the scalar order's, so the bits are the same; per group, 8 shuffles
+   where the 8-lane form needs 12, and one instruction per lane and stage besides. */
+static inline __attribute__((always_inline)) __m512 ts_zsign(__mmask16 set) {
+    return _mm512_mask_blend_ps(set, _mm512_set1_ps(1.f), _mm512_set1_ps(-1.f));
+}
+#define TS_ZSTAGE(R, T, S) do { R = _mm512_fmadd_ps(R, (S), (T)); } while (0)
 static inline __attribute__((always_inline)) void fwht_z(__m512* restrict r0, __m512* restrict r1) {
-    TS_ZSTAGE(*r0, _mm512_permute_ps(*r0, 0xB1), 0xAAAA); TS_ZSTAGE(*r1, _mm512_permute_ps(*r1, 0xB1), 0xAAAA);
-    TS_ZSTAGE(*r0, _mm512_permute_ps(*r0, 0x4E), 0xCCCC); TS_ZSTAGE(*r1, _mm512_permute_ps(*r1, 0x4E), 0xCCCC);
-    TS_ZSTAGE(*r0, _mm512_shuffle_f32x4(*r0, *r0, 0xB1), 0xF0F0);
-    TS_ZSTAGE(*r1, _mm512_shuffle_f32x4(*r1, *r1, 0xB1), 0xF0F0);
-    TS_ZSTAGE(*r0, _mm512_shuffle_f32x4(*r0, *r0, 0x4E), 0xFF00);
-    TS_ZSTAGE(*r1, _mm512_shuffle_f32x4(*r1, *r1, 0x4E), 0xFF00);
+    const __m512 s1 = ts_zsign(0xAAAA), s2 = ts_zsign(0xCCCC), s4 = ts_zsign(0xF0F0), s8 = ts_zsign(0xFF00);
+    TS_ZSTAGE(*r0, _mm512_permute_ps(*r0, 0xB1), s1); TS_ZSTAGE(*r1, _mm512_permute_ps(*r1, 0xB1), s1);
+    TS_ZSTAGE(*r0, _mm512_permute_ps(*r0, 0x4E), s2); TS_ZSTAGE(*r1, _mm512_permute_ps(*r1, 0x4E), s2);
+    TS_ZSTAGE(*r0, _mm512_shuffle_f32x4(*r0, *r0, 0xB1), s4);
+    TS_ZSTAGE(*r1, _mm512_shuffle_f32x4(*r1, *r1, 0xB1), s4);
+    TS_ZSTAGE(*r0, _mm512_shuffle_f32x4(*r0, *r0, 0x4E), s8);
+    TS_ZSTAGE(*r1, _mm512_shuffle_f32x4(*r1, *r1, 0x4E), s8);
     const __m512 a = *r0, b = *r1, n = _mm512_set1_ps(TS_NORM32);
     *r0 = _mm512_mul_ps(_mm512_add_ps(a, b), n);
     *r1 = _mm512_mul_ps(_mm512_sub_ps(a, b), n);
