@@ -249,3 +249,20 @@ def test_writes_wait_for_the_background_copy_and_a_write_it_misses_fails_the_sav
             out["torn"]
         assert out["latest_after_torn"] == "step_5"
         assert out["data_write_after_copy"]
+
+
+def test_the_stager_reuses_a_buffer_and_remakes_it_when_its_storage_was_resized():
+    from tiershard.checkpoint.staging import ShardStager
+
+    weight = torch.randn(100)
+    stager = ShardStager(torch.device("cpu"))
+    first = stager.stage({"w": weight, "view": weight[10:20], "lr": [0.1]}).result()
+    assert torch.equal(first["w"], weight) and first["view"].untyped_storage() is first["w"].untyped_storage()
+    buffer = stager.buffers()[0]
+    weight.mul_(2)
+    again = stager.stage({"w": weight}).result()
+    assert torch.equal(again["w"], weight) and stager.buffers()[0] is buffer   # the same buffer, new values
+    weight.untyped_storage().resize_(800)        # as storage-freeing code does: the same storage object, resized
+    weight.set_(weight.untyped_storage(), 0, (200,)).normal_()
+    resized = stager.stage({"w": weight}).result()
+    assert torch.equal(resized["w"], weight) and stager.buffers()[0].numel() == 800

@@ -73,7 +73,8 @@ class ShardStager:
     def _stage(self, state_dict: Any, ready) -> Any:
         storages: dict[int, torch.UntypedStorage] = {}
         _collect(state_dict, storages)
-        self._make_buffers([s for s in storages.values() if s not in self._buffers])
+        self._make_buffers([s for s in storages.values()      # new, or resized since (resize_ keeps the object)
+                            if s not in self._buffers or self._buffers[s].numel() != s.nbytes()])
         copies = {key: self._buffers[s] for key, s in storages.items()}
         if self._stream is None:
             for key, source in storages.items():
