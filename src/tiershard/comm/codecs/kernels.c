@@ -1118,38 +1118,39 @@ static int64_t quant_fast_x16(const float* restrict v, int64_t m, float scale, i
                               uint8_t* restrict q) {
     const int32_t qmax = bits == 8 ? 127 : 7, off = bits == 8 ? 0 : 8;
     const __m512 vs = _mm512_set1_ps(scale), vy = _mm512_set1_ps(1.f / scale);
-    const __m512 half = _mm512_set1_ps(0.5f), edge = _mm512_set1_ps(0.5f - 0x1p-13f);
+    const __m512 half = _mm512_set1_ps(0.5f), edge = _mm512_set1_ps(0.5f - 0x1p-13f), u24 = _mm512_set1_ps(0x1p-24f);
     const __m512i lo = _mm512_set1_epi32(-qmax), hi = _mm512_set1_epi32(qmax), vo = _mm512_set1_epi32(off);
     const __m512i gold16 = _mm512_set1_epi32((int)(16u * 0x9E3779B9u)), key = _mm512_set1_epi32((int)bkey);
     __m512i jg = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                     _mm512_set1_epi32((int)0x9E3779B9u));
     int64_t j = 0;
     for (; j + 32 <= m; j += 32) {
-        __m512 x[2], w[2], u[2];
+        __m512 x[2], c24[2];
+        __m512i wi[2];
         __mmask16 near = 0;
-        for (int c = 0; c < 2; c++) {
+        for (int c = 0; c < 2; c++) {  /* q straight from fp32 by the rounding the instruction embeds */
             x[c] = _mm512_loadu_ps(v + j + 16 * c);
             const __m512 t = _mm512_mul_ps(x[c], vy);
             if (!sr) {
-                w[c] = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                near |= _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(t, w[c])), edge, _CMP_GE_OQ);
-            } else {
-                u[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(ts_mix16(_mm512_xor_si512(key, jg)), 8)),
-                                     _mm512_set1_ps(0x1p-24f));
-                jg = _mm512_add_epi32(jg, gold16);
-                const __m512 y = _mm512_add_ps(t, u[c]);
-                w[c] = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-                near |= _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(_mm512_sub_ps(y, w[c]), half)), edge,
+                wi[c] = _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                near |= _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(t, _mm512_cvtepi32_ps(wi[c]))), edge,
                                            _CMP_GE_OQ);
+            } else {  /* y = fp32(t + u): u = c24 * 2**-24 exactly, so the fused form rounds once, as the sum */
+                c24[c] = _mm512_cvtepi32_ps(_mm512_srli_epi32(ts_mix16(_mm512_xor_si512(key, jg)), 8));
+                jg = _mm512_add_epi32(jg, gold16);
+                const __m512 y = _mm512_fmadd_ps(c24[c], u24, t);
+                wi[c] = _mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+                near |= _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(_mm512_sub_ps(y, _mm512_cvtepi32_ps(wi[c])),
+                                                                       half)), edge, _CMP_GE_OQ);
             }
         }
         if (near)  /* rare: the exact quotients */
             for (int c = 0; c < 2; c++)
-                w[c] = sr ? _mm512_roundscale_ps(_mm512_add_ps(_mm512_div_ps(x[c], vs), u[c]),
-                                                 _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
-                          : _mm512_roundscale_ps(_mm512_div_ps(x[c], vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                wi[c] = sr ? _mm512_cvt_roundps_epi32(_mm512_add_ps(_mm512_div_ps(x[c], vs), _mm512_mul_ps(c24[c], u24)),
+                                                      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+                           : _mm512_cvt_roundps_epi32(_mm512_div_ps(x[c], vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         for (int c = 0; c < 2; c++) {  /* |q| <= qmax + 1: clamped (stochastic), then q + off fits a byte */
-            __m512i p = _mm512_cvttps_epi32(w[c]);
+            __m512i p = wi[c];
             if (sr) p = _mm512_min_epi32(_mm512_max_epi32(p, lo), hi);
             _mm_storeu_si128((__m128i*)(q + j + 16 * c), _mm512_cvtepi32_epi8(_mm512_add_epi32(p, vo)));
         }
