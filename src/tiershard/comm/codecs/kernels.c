@@ -1066,7 +1066,7 @@ static int64_t quant_fast_x(const float* restrict v, int64_t m, float scale, int
     const int32_t qmax = bits == 8 ? 127 : 7, off = bits == 8 ? 0 : 8;
     const __m256 vs = _mm256_set1_ps(scale), vy = _mm256_set1_ps(1.f / scale);
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256 half = _mm256_set1_ps(0.5f), edge = _mm256_set1_ps(0.5f - 0x1p-13f);
+    const __m256 half = _mm256_set1_ps(0.5f), edge = _mm256_set1_ps(0.5f - 0x1p-13f), u24 = _mm256_set1_ps(0x1p-24f);
     const __m256i lo = _mm256_set1_epi8((char)-qmax), hi = _mm256_set1_epi8((char)qmax);
     const __m256i vo = _mm256_set1_epi8((char)off);
     const __m256i gold8 = _mm256_set1_epi32((int)(8u * 0x9E3779B9u)), key = _mm256_set1_epi32((int)bkey);
@@ -1081,10 +1081,14 @@ static int64_t quant_fast_x(const float* restrict v, int64_t m, float scale, int
                 w[c] = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
                 near = _mm256_or_ps(near, _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(t, w[c]), absm), edge, _CMP_GE_OQ));
             } else {  /* stochastic: t + u - floor(t + u) close to 0 or 1 */
-                u[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(ts_mix8(_mm256_xor_si256(key, jg)), 8)),
-                                     _mm256_set1_ps(0x1p-24f));
+                const __m256 c24 = _mm256_cvtepi32_ps(_mm256_srli_epi32(ts_mix8(_mm256_xor_si256(key, jg)), 8));
+                u[c] = _mm256_mul_ps(c24, u24);
                 jg = _mm256_add_epi32(jg, gold8);
+#if defined(__FMA__)  /* u = c24 * 2**-24 exactly: the fused form rounds once, as the sum */
+                const __m256 y = _mm256_fmadd_ps(c24, u24, t);
+#else
                 const __m256 y = _mm256_add_ps(t, u[c]);
+#endif
                 w[c] = _mm256_floor_ps(y);
                 const __m256 d = _mm256_and_ps(_mm256_sub_ps(_mm256_sub_ps(y, w[c]), half), absm);
                 near = _mm256_or_ps(near, _mm256_cmp_ps(d, edge, _CMP_GE_OQ));
