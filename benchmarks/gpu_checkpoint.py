@@ -94,6 +94,7 @@ def step_peaks(build, batches, device) -> str:
 def main() -> int:
     import tiershard as ts
     from tiershard.train.models import GPT, Block, gpt_config, lm_loss
+    from tiershard.checkpoint.sharded import _engine
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temp folder)")
@@ -171,6 +172,11 @@ def main() -> int:
         report.append(f"async save #{round_}: blocked {t_block:.2f} s ({t_block / t_sync:.2f}x sync), next step "
                       f"{t_step * 1e3:.0f} ms (+{(t_step - plain) * 1e3:.0f} ms), then result() {t_rest:.2f} s; "
                       f"GPU peak rise {r_async:.0f} MiB")
+        staged = getattr(_engine(model), "_tiershard_stager", None)
+        if staged is not None and staged.timings:
+            t = staged.timings
+            report.append(f"  staging: {t['staged'] / MiB:.0f} MiB copied in {t['copy']:.2f} s; new buffers "
+                          f"{t['made'] / MiB:.0f} MiB, faulted in {t['fault']:.2f} s, pinned in {t['pin']:.2f} s")
         fresh, fresh_opt = build()
         _, t_load, r_load = rise(lambda: ts.load(root / f"async{round_}", fresh, fresh_opt))
         loaded = ts.full_state_dict(fresh, cpu_offload=True)
