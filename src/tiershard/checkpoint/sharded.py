@@ -436,17 +436,17 @@ def _async_group(topology):
 
 
 def _save_async(state: dict, tmp: Path, path: Path, token: str, engine) -> SaveFuture:
-    """[Note: asynchronous save] DCP's ``async_save``, given tiershard's stager (``staging.ShardStager``), copies
-    this rank's state aside (a CPU copy; on a GPU into pinned memory) in a background thread, and a second thread
-    writes the copy, then commits as ``save`` does ([Note: atomic save]) on a gloo group of its own: ``latest``
-    moves only after every rank's files are written and checksummed. A failed or killed write leaves the hidden folder, which the next save removes, and nothing
-    else. The call returns at once; until the copy is taken, every write the engine sees coming waits for it
-    ([Note: background copies]: the optimizer's step, loads). A write it cannot see coming (an in-place write to a
-    parameter or an optimizer state) is caught by the tensors' version counters, read before the copy starts and
-    the moment it ends: the save then fails on every rank, naming the tensor, instead of writing a torn
-    checkpoint. The copy's buffers are made by the first asynchronous save and kept with the model for the next
-    ones (a second save waits for the first, so one copy is enough: memory of this rank's shards, held from then
-    on)."""
+    """[Note: asynchronous save] DCP's ``async_save``, given tiershard's stager (``staging.ShardStager``), copies this
+    rank's state aside (a CPU copy; on a GPU into pinned memory) in a background thread, and a second thread writes
+    the copy, then commits as ``save`` does ([Note: atomic save]) on a gloo group of its own: ``latest`` moves only
+    after every rank's files are written and checksummed. A failed or killed write leaves the hidden folder, which
+    the next save removes, and nothing else. The call returns at once; until the copy is taken, every write the
+    engine sees coming waits for it ([Note: background copies]: the optimizer's step, loads). A write it cannot see
+    coming (an in-place write to a parameter or an optimizer state) is caught by the tensors' version counters, read
+    before the copy starts and the moment it ends: the save then fails on every rank, naming the tensor, instead of
+    writing a torn checkpoint. The copy's buffers are made by the first asynchronous save and kept with the model
+    for the next ones (a second save waits for the first, so one copy is enough: memory of this rank's shards, held
+    from then on)."""
     from .staging import ShardStager
 
     rank, _ = _rank_world()

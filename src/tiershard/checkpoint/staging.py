@@ -107,7 +107,8 @@ class ShardStager:
             if self.pinned and source.device.type == "cuda" and buf.numel() >= PIN_MIN_BYTES:
                 _pin(buf)
             self._buffers[source] = buf
-        self.timings.update(fault=faulted - start, pin=time.perf_counter() - faulted, made=sum(b.numel() for b in fresh))
+        self.timings.update(fault=faulted - start, pin=time.perf_counter() - faulted,
+                            made=sum(b.numel() for b in fresh))
 
 
 def _collect(obj: Any, storages: dict[int, torch.UntypedStorage]) -> None:

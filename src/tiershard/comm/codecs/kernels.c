@@ -1150,9 +1150,11 @@ static int64_t quant_fast_x16(const float* restrict v, int64_t m, float scale, i
         }
         if (near)  /* rare: the exact quotients */
             for (int c = 0; c < 2; c++)
-                wi[c] = sr ? _mm512_cvt_roundps_epi32(_mm512_add_ps(_mm512_div_ps(x[c], vs), _mm512_mul_ps(c24[c], u24)),
-                                                      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
-                           : _mm512_cvt_roundps_epi32(_mm512_div_ps(x[c], vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                wi[c] = sr ? _mm512_cvt_roundps_epi32(
+                                 _mm512_add_ps(_mm512_div_ps(x[c], vs), _mm512_mul_ps(c24[c], u24)),
+                                 _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+                           : _mm512_cvt_roundps_epi32(_mm512_div_ps(x[c], vs),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         for (int c = 0; c < 2; c++) {  /* |q| <= qmax + 1: clamped (stochastic), then q + off fits a byte */
             __m512i p = wi[c];
             if (sr) p = _mm512_min_epi32(_mm512_max_epi32(p, lo), hi);
