@@ -141,42 +141,8 @@ def all_reduce(buf: torch.Tensor, group: "TierGroup", topology: "Topology", op: 
     if group.size == 1:
         return
     with guard(op, group, topology):
-        if group.backend == "gloo":
-            _ring_all_reduce(buf.view(-1), group, topology.rank)
-        else:
-            dist.all_reduce(buf, group=group.pg)
+        dist.all_reduce(buf, group=group.pg)
     _record(op, "all_reduce", group, buf, topology)
-
-
-#: The gloo ring all-reduce receives partial sums in pieces of this many bytes (its only buffer).
-RING_SEGMENT_BYTES = 256 << 10
-
-
-def _ring_all_reduce(flat: torch.Tensor, group: "TierGroup", rank: int) -> None:
-    """A ring reduce-scatter of ``flat``'s k chunks in place (each partial sum received in pieces of
-    RING_SEGMENT_BYTES into one small buffer and added), then a ring all-gather of the summed chunks straight into
-    their places. gloo's own all-reduce keeps scratch of about a quarter of the input while it runs (1.6 MiB for
-    7 MiB over 2 ranks), which on the communication thread overlaps the backward computation."""
-    k, me = group.size, group.ranks.index(rank)
-    chunks = torch.tensor_split(flat, k)
-    after, before = group.ranks[(me + 1) % k], group.ranks[(me - 1) % k]
-    seg = max(1, RING_SEGMENT_BYTES // flat.element_size())
-    recv = flat.new_empty(min(seg, max(c.numel() for c in chunks)))
-    for step in range(k - 1):               # rank me ends holding the whole sum of chunk me
-        send, into = chunks[(me - step - 1) % k], chunks[(me - step - 2) % k]
-        for at in range(0, max(send.numel(), into.numel()), seg):
-            out, add = send[at:at + seg], into[at:at + seg]
-            ops = [dist.P2POp(dist.isend, out, after, group.pg)] if out.numel() else []
-            if add.numel():
-                ops.append(dist.P2POp(dist.irecv, recv[:add.numel()], before, group.pg))
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-            add += recv[:add.numel()]
-    for step in range(k - 1):
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, chunks[(me - step) % k], after, group.pg),
-                                        dist.P2POp(dist.irecv, chunks[(me - step - 1) % k], before, group.pg)])
-        for work in works:
-            work.wait()
 
 
 def broadcast(buf: torch.Tensor, src: int, group: "TierGroup", topology: "Topology", op: str) -> None:
