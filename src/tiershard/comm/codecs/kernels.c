@@ -1073,7 +1073,7 @@ static int64_t quant_fast_x(const float* restrict v, int64_t m, float scale, int
     __m256i jg = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)0x9E3779B9u));
     int64_t j = 0;
     for (; j + 32 <= m; j += 32) {
-        __m256 x[4], w[4], u[4], near = _mm256_setzero_ps();
+        __m256 x[4], w[4], c24[4], near = _mm256_setzero_ps();
         for (int c = 0; c < 4; c++) {
             x[c] = _mm256_loadu_ps(v + j + 8 * c);
             const __m256 t = _mm256_mul_ps(x[c], vy);
@@ -1081,13 +1081,12 @@ static int64_t quant_fast_x(const float* restrict v, int64_t m, float scale, int
                 w[c] = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
                 near = _mm256_or_ps(near, _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(t, w[c]), absm), edge, _CMP_GE_OQ));
             } else {  /* stochastic: t + u - floor(t + u) close to 0 or 1 */
-                const __m256 c24 = _mm256_cvtepi32_ps(_mm256_srli_epi32(ts_mix8(_mm256_xor_si256(key, jg)), 8));
-                u[c] = _mm256_mul_ps(c24, u24);
+                c24[c] = _mm256_cvtepi32_ps(_mm256_srli_epi32(ts_mix8(_mm256_xor_si256(key, jg)), 8));
                 jg = _mm256_add_epi32(jg, gold8);
 #if defined(__FMA__)  /* u = c24 * 2**-24 exactly: the fused form rounds once, as the sum */
-                const __m256 y = _mm256_fmadd_ps(c24, u24, t);
+                const __m256 y = _mm256_fmadd_ps(c24[c], u24, t);
 #else
-                const __m256 y = _mm256_add_ps(t, u[c]);
+                const __m256 y = _mm256_add_ps(t, _mm256_mul_ps(c24[c], u24));
 #endif
                 w[c] = _mm256_floor_ps(y);
                 const __m256 d = _mm256_and_ps(_mm256_sub_ps(_mm256_sub_ps(y, w[c]), half), absm);
@@ -1096,7 +1095,7 @@ static int64_t quant_fast_x(const float* restrict v, int64_t m, float scale, int
         }
         if (_mm256_movemask_ps(near))  /* rare: the exact quotients */
             for (int c = 0; c < 4; c++)
-                w[c] = sr ? _mm256_floor_ps(_mm256_add_ps(_mm256_div_ps(x[c], vs), u[c]))
+                w[c] = sr ? _mm256_floor_ps(_mm256_add_ps(_mm256_div_ps(x[c], vs), _mm256_mul_ps(c24[c], u24)))
                           : _mm256_round_ps(_mm256_div_ps(x[c], vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         /* |q| <= qmax + 1 fits a byte; nearest: |q| <= qmax already (see quant_block_x), stochastic: clamped here */
         __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(_mm256_cvttps_epi32(w[0]), _mm256_cvttps_epi32(w[1])),
