@@ -61,6 +61,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from ..comm.failure import guard
 from ..runtime.flat import copy_in_background
+from .staging import ShardStager, _local
 
 __all__ = ["CheckpointError", "SaveFuture", "save", "load", "latest", "resolve", "verify"]
 
@@ -447,8 +448,6 @@ def _save_async(state: dict, tmp: Path, path: Path, token: str, engine) -> SaveF
     writing a torn checkpoint. The copy's buffers are made by the first asynchronous save and kept with the model
     for the next ones (a second save waits for the first, so one copy is enough: memory of this rank's shards, held
     from then on)."""
-    from .staging import ShardStager
-
     rank, _ = _rank_world()
     group = _async_group(engine.topology)
     stager = getattr(engine, "_tiershard_stager", None)
@@ -496,11 +495,10 @@ def _save_async(state: dict, tmp: Path, path: Path, token: str, engine) -> SaveF
 def _versions(state: dict) -> dict[str, tuple[int, int]]:
     """Each tensor of ``state`` by its key path: its version counters (a DTensor's and its shard's), which every
     in-place write advances."""
-    from torch.distributed.tensor import DTensor
     from torch.utils._pytree import tree_flatten_with_path
 
     return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in key):
-            (value._version, (value._local_tensor if isinstance(value, DTensor) else value)._version)
+            (value._version, _local(value)._version)
             for key, value in tree_flatten_with_path(state)[0] if isinstance(value, torch.Tensor)}
 
 
@@ -680,7 +678,7 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     trained = [p for p in params if p.requires_grad]
     if not trained:
         return
-    local = [p._local_tensor if isinstance(p, DTensor) else p for p in trained]
+    local = [_local(p) for p in trained]
     largest: dict[tuple, int] = {}
     for t in local:
         largest[(t.dtype, t.device)] = max(largest.get((t.dtype, t.device), 0), t.numel())

@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 #: Pages are faulted in by threads taking at least this many bytes each.
@@ -113,37 +114,30 @@ class ShardStager:
 
 def _collect(obj: Any, storages: dict[int, torch.UntypedStorage]) -> None:
     """Every tensor storage under ``obj`` (DTensors by their local shard), keyed by identity."""
-    tensor = _local(obj)
-    if tensor is not None:
-        storage = tensor.untyped_storage()
-        storages.setdefault(id(storage), storage)
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            _collect(value, storages)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            _collect(value, storages)
+    for leaf in tree_leaves(obj):
+        tensor = _local(leaf)
+        if tensor is not None:
+            storage = tensor.untyped_storage()
+            storages.setdefault(id(storage), storage)
 
 
 def _rebuild(obj: Any, copies: dict[int, torch.UntypedStorage]) -> Any:
-    """``obj`` with every tensor replaced by the same view of its storage's copy."""
+    """``obj`` with every tensor replaced by the same view of its storage's copy, the other leaves deep-copied."""
     from torch.distributed.tensor import DTensor
 
-    tensor = _local(obj)
-    if tensor is not None:
-        staged = torch.empty(0, dtype=tensor.dtype).set_(copies[id(tensor.untyped_storage())],
-                                                          tensor.storage_offset(), tensor.size(), tensor.stride())
-        return DTensor(staged, obj._spec, requires_grad=False) if isinstance(obj, DTensor) else staged
-    if isinstance(obj, dict):
-        return {key: _rebuild(value, copies) for key, value in obj.items()}
-    if isinstance(obj, list):
-        return [_rebuild(value, copies) for value in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_rebuild(value, copies) for value in obj)
-    return copy.deepcopy(obj)
+    def staged(leaf: Any) -> Any:
+        tensor = _local(leaf)
+        if tensor is None:
+            return copy.deepcopy(leaf)
+        view = torch.empty(0, dtype=tensor.dtype).set_(copies[id(tensor.untyped_storage())],
+                                                        tensor.storage_offset(), tensor.size(), tensor.stride())
+        return DTensor(view, leaf._spec, requires_grad=False) if isinstance(leaf, DTensor) else view
+
+    return tree_map(staged, obj)
 
 
 def _local(obj: Any) -> torch.Tensor | None:
+    """A tensor's values on this rank (a DTensor's local shard), or None for anything else."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(obj, DTensor):
