@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 
 import torch
 
@@ -75,3 +76,22 @@ def test_cpu_jobs_run_in_order_on_one_background_thread():
     stream.drain()
     assert [i for i, _ in seen] == list(range(5))
     assert len({t for _, t in seen}) == 1 and seen[0][1] != caller
+
+
+def test_a_finished_job_no_longer_holds_its_inputs():
+    """[Note: a finished job holds nothing]: when a job's result wakes a waiter, the thread that ran it has dropped
+    the job's function and arguments, so a buffer only the job referenced is already freed (the next unit's
+    gradient matrix is allocated right after such a wake-up)."""
+    stream = CommStream(torch.device("cpu"))
+    gate = threading.Event()
+    stream.submit(gate.wait)                  # holds the thread until the second job is queued and let go of here
+    x = torch.ones(1000)
+    ref = weakref.ref(x)
+    job = stream.submit(lambda t: float(t.sum()), x)
+    del x
+    held_at_wake = []
+    job.add_done_callback(lambda _: held_at_wake.append(ref() is not None))   # runs on the thread, at set_result
+    gate.set()
+    assert job.result() == 1000.0
+    stream.drain()
+    assert held_at_wake == [False]

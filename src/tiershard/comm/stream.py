@@ -28,6 +28,12 @@ the previous job submitted under the same key, so at most one reduction runs whi
 unit's matrix, as FSDP2 waits for its previous reduce-scatter before the next. The link is busy either way;
 compute waits only when the link is the bottleneck, and then the step's length is the link's.
 
+[Note: a finished job holds nothing] A waiter wakes as soon as a job's result is set, and the main thread then
+allocates the next buffers (the next unit's gradient matrix after ``wait_previous``, the optimizer's after
+``drain``). The thread that ran the job must not still hold its inputs then: the executor's work item and the job's
+frame keep the function and its arguments until the thread gets back to its queue. So a job's function and
+arguments are handed over in a list the job empties first, and dropped before the result is set.
+
 [Note: no failure is dropped] A job's failure reaches the main thread exactly once: at the first ``result()`` of
 its future, or else at the next ``drain`` or ``submit``, even when the job finished long before (a reduction that
 failed must stop the step before the optimizer uses the gradients it did not deliver). After a collective failed
@@ -125,10 +131,11 @@ class CommStream:
             self._bounded[bound] = job
             if self._cuda is not None:      # the device still reads them after the host is done with the job
                 job.inputs = args
+        work = [fn, args]         # [Note: a finished job holds nothing]
         if self._pool is None:
-            self._execute(job, fn, args, unit)      # a failure surfaces at result(), as on the thread
+            self._execute(job, work, unit)      # a failure surfaces at result(), as on the thread
         else:
-            self._pool.submit(self._execute, job, fn, args, unit)
+            self._pool.submit(self._execute, job, work, unit)
         self._pending.append(job)
         return job
 
@@ -150,13 +157,16 @@ class CommStream:
         if failed is not None:
             failed.result()
 
-    def _execute(self, job: _Job, fn: Callable[..., Any], args: tuple, unit: str | None) -> None:
+    def _execute(self, job: _Job, work: list, unit: str | None) -> None:
+        fn, args = work
+        work.clear()
         if self._broken is not None:
             job.set_exception(self._broken)
             return
         try:
             with unit_scope(unit):
                 result = self._run(job, fn, args)
+            del fn, args          # before the result wakes a waiter, not when this thread returns
         except BaseException as err:
             if isinstance(err, CollectiveError) and self._broken is None:
                 self._broken = err
