@@ -796,10 +796,10 @@ int ts_decode_seg(const uint8_t* pay, int64_t pstride, const uint8_t* sc, int64_
 /* ---- rotated and stochastic formats (format.py: "Rotation", "Stochastic rounding") ----
    One general path for codecs with rotate or stochastic set, flat (bs == NULL: block j covers [j*block, ...)) or
    with a row layout (bs as above). Each block's whole 32-value groups are loaded into four 8-lane registers, rotated
-   there and stored to an fp32 buffer with their absmax taken on the way (the rest of the block is copied as it is),
-   then its scale is taken and its values quantized 32 at a time (nearest, or floor(y / scale + u) with u from the
-   counter hash, eight hashes per vector), with the exact division only where a value lies next to a rounding
-   boundary (quant_fast_x). Decoding dequantizes each group into registers, rotates it and stores it. Work units
+   there and stored to an fp32 buffer with their absmax taken on the way (the rest of the block is copied as it is;
+   up to 8 blocks a batch), then its scale is taken and its values quantized 32 at a time (nearest, or
+   floor(y / scale + u) with u from the counter hash, eight hashes per vector), with the exact division only where a
+   value lies next to a rounding boundary (quant_fast_x). Decoding dequantizes each group into registers, rotates it and stores it. Work units
    start on even values (flat: group_blocks; layouts: whole rows, an even number when U is odd), so int4 bytes are
    staged one value a byte per unit and packed without two threads sharing a byte. */
 #define TS_NORM32 0.17677669529663687f  /* fp32(32 ** -0.5) */
@@ -1286,7 +1286,7 @@ int ts_encode_x(const void* x, int dt, int64_t n, int64_t k, const int64_t* orde
     }
     /* Blocks are loaded (rotated, absmax taken) a batch at a time and then quantized, so that a block's scale, a
        chain of dependent steps (the absmax's reduction, two divisions), is ready before its quantizing starts
-       instead of stalling it: int8:128:h encoded 1.3x as fast per 1M values. */
+       instead of stalling it: int8:128:h encodes 1.1-1.2x as fast (docs/codecs.md). */
     const int64_t nbat = block >= TS_BATCH_VALUES ? 1 : (TS_BATCH_VALUES / block < TS_BATCH ? TS_BATCH_VALUES / block : TS_BATCH);
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) if(nthreads > 1 && total > 1)
