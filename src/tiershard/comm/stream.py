@@ -158,11 +158,12 @@ class CommStream:
             failed.result()
 
     def _execute(self, job: _Job, work: list, unit: str | None) -> None:
-        fn, args = work
-        work.clear()
         if self._broken is not None:
+            work.clear()
             job.set_exception(self._broken)
             return
+        fn, args = work
+        work.clear()
         try:
             with unit_scope(unit):
                 result = self._run(job, fn, args)

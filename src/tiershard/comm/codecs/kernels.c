@@ -799,8 +799,8 @@ int ts_decode_seg(const uint8_t* pay, int64_t pstride, const uint8_t* sc, int64_
    there and stored to an fp32 buffer with their absmax taken on the way (the rest of the block is copied as it is;
    up to 8 blocks a batch), then its scale is taken and its values quantized 32 at a time (nearest, or
    floor(y / scale + u) with u from the counter hash, eight hashes per vector), with the exact division only where a
-   value lies next to a rounding boundary (quant_fast_x). Decoding dequantizes each group into registers, rotates it and stores it. Work units
-   start on even values (flat: group_blocks; layouts: whole rows, an even number when U is odd), so int4 bytes are
+   value lies next to a rounding boundary (quant_fast_x). Decoding dequantizes each group into registers, rotates it
+   and stores it. Work units start on even values (flat: group_blocks; layouts: whole rows, an even number when U is odd), so int4 bytes are
    staged one value a byte per unit and packed without two threads sharing a byte. */
 #define TS_NORM32 0.17677669529663687f  /* fp32(32 ** -0.5) */
 /* The counter hash's steps, for a uint32_t or a vector of them (GCC/clang vector types take the same operators). */
@@ -1264,12 +1264,8 @@ static int64_t unit_count(const int64_t* bs, int64_t nbr, int64_t U, int64_t blo
     return g > 0 ? (nb + g - 1) / g : 0;
 }
 #include <stdlib.h>
-#ifndef TS_BATCH
-#define TS_BATCH 8
-#endif
-#ifndef TS_BATCH_VALUES
-#define TS_BATCH_VALUES 1024
-#endif
+#define TS_BATCH 8             /* blocks loaded before any is quantized (ts_encode_x) */
+#define TS_BATCH_VALUES 1024    /* ... or fewer, so that a batch holds about this many values */
 int ts_encode_x(const void* x, int dt, int64_t n, int64_t k, const int64_t* order, const int64_t* bs, int64_t nbr,
                 int64_t U, int64_t block, int bits, int rotate, int sr, uint64_t seed, uint8_t* pay, int64_t pstride,
                 uint8_t* sc, int64_t sstride, int64_t ppad, int nthreads) {
@@ -1287,7 +1283,8 @@ int ts_encode_x(const void* x, int dt, int64_t n, int64_t k, const int64_t* orde
     /* Blocks are loaded (rotated, absmax taken) a batch at a time and then quantized, so that a block's scale, a
        chain of dependent steps (the absmax's reduction, two divisions), is ready before its quantizing starts
        instead of stalling it: int8:128:h encodes 1.1-1.2x as fast (docs/codecs.md). */
-    const int64_t nbat = block >= TS_BATCH_VALUES ? 1 : (TS_BATCH_VALUES / block < TS_BATCH ? TS_BATCH_VALUES / block : TS_BATCH);
+    int64_t nbat = TS_BATCH_VALUES / block;
+    nbat = nbat < 1 ? 1 : nbat > TS_BATCH ? TS_BATCH : nbat;
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) if(nthreads > 1 && total > 1)
     {  /* scratch once per thread and call, not per unit: freed blocks of a thread's arena are trimmed and fault
@@ -1302,24 +1299,23 @@ int ts_encode_x(const void* x, int dt, int64_t n, int64_t k, const int64_t* orde
         const int64_t i = t / nu, u = t % nu, c = order ? order[i] : i;
         const char* xc = (const char*)x + c * n * es;
         uint8_t* prow = pay + i * pstride;
-        int64_t J0, J1, s0, e, s, m;
+        int64_t J0, J1, s0, e;
         unit_extent(bs, nbr, U, block, n, u, &J0, &J1, &s0, &e);
         const uint32_t rkey = ts_row_key(seed, i);
         ts_cursor cur = cursor_at(bs, nbr, U, block, n, J0);
         for (int64_t Ja = J0; Ja < J1; Ja += nbat) {  /* a batch: every block loaded, then every block quantized */
             const int64_t nj = J1 - Ja < nbat ? J1 - Ja : nbat;
-            int64_t bs_[TS_BATCH], bm[TS_BATCH];
+            int64_t bstart[TS_BATCH], blen[TS_BATCH];
             const float* src[TS_BATCH];
             uint32_t ab[TS_BATCH];
             for (int64_t b = 0; b < nj; b++) {
-                cursor_next(&cur, &s, &m);
-                bs_[b] = s; bm[b] = m;
-                ab[b] = load_block_x(xc + s * es, dt, m, rotate, v + b * block, &src[b]);
+                cursor_next(&cur, &bstart[b], &blen[b]);
+                ab[b] = load_block_x(xc + bstart[b] * es, dt, blen[b], rotate, v + b * block, &src[b]);
             }
             for (int64_t b = 0; b < nj; b++) {
                 const int64_t J = Ja + b;
-                const float scale = quant_block_x(src[b], bm[b], ab[b], bits, sr, ts_mix(rkey ^ (uint32_t)J),
-                                                  bits == 8 ? prow + bs_[b] : qs + (bs_[b] - s0));
+                const float scale = quant_block_x(src[b], blen[b], ab[b], bits, sr, ts_mix(rkey ^ (uint32_t)J),
+                                                  bits == 8 ? prow + bstart[b] : qs + (bstart[b] - s0));
                 memcpy(sc + i * sstride + 4 * J, &scale, 4);
             }
         }
