@@ -87,6 +87,24 @@ def test_stochastic_next_to_integers(monkeypatch: pytest.MonkeyPatch) -> None:
     _both_ways(codec_from_spec("int8:128:sr"), x.reshape(-1), 1, monkeypatch)
 
 
+def test_stochastic_clamps_past_the_largest_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8:128:sr blocks whose largest |value| a has fp32(a / fp32(a / 127)) > 127 (the scale rounded down), at the
+    positions whose u is small enough that v / scale + u floors to -128 or, for +a, u large enough to reach 128: the
+    format clamps both to 127 in magnitude, and so must every kernel."""
+    block, nb = 128, 1 << 13
+    gen = torch.Generator().manual_seed(5)
+    a = next(c for c in 1 + torch.rand(4096, generator=gen) if c / (c / 127) > 127)
+    scale = a / 127
+    u = reference.uniforms(SEED, 1, nb, block, torch.device("cpu"))[0]
+    low = torch.floor(-a / scale + u) < -127
+    high = torch.floor(a / scale + u) > 127
+    assert int(low.sum()) > 0 and int(high.sum()) > 0  # both cases occur
+    x = torch.randn(nb, block, generator=gen) * 0.3 * a
+    x[:, 0] = a
+    x[low], x[high] = -a, a
+    _both_ways(codec_from_spec("int8:128:sr"), x.reshape(-1), 1, monkeypatch)
+
+
 @pytest.mark.parametrize("spec", ["int8:128:h", "int4:128:h:sr"])
 def test_rotated_bf16_output_at_extreme_scales(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rotated blocks decoded to bf16 where the outputs are subnormal (scales just above the smallest normal) or the

@@ -998,6 +998,17 @@ static inline __attribute__((always_inline)) __m512 ld16(const char* x, int dt, 
     if (dt == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     return _mm512_cvtph_ps(h);
 }
+/* 32 values from x[i] (dt) as fp32 in two registers. bf16: one load and a word permutation per register that puts
+   value l in the top half of lane l and zeros the bottom one, where a widening and a shift took two instructions. */
+static inline __attribute__((always_inline)) void ld32(const char* x, int dt, int64_t i, __m512* r0, __m512* r1) {
+    if (dt != DT_BF16) { *r0 = ld16(x, dt, i); *r1 = ld16(x, dt, i + 16); return; }
+    const __m512i h = _mm512_loadu_si512((const uint16_t*)x + i);
+    const __m512i lo = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0,
+                                        7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi32(16 << 16));
+    *r0 = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, lo, h));
+    *r1 = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, hi, h));
+}
 #endif
 /* Block of m values at x (dt) into fp32 v, its whole groups rotated (rotate); returns the largest |value| as bits.
    The values stay in x when nothing changes them (fp32, no rotation): *src says where they are. */
@@ -1009,12 +1020,23 @@ static uint32_t load_block_x(const char* x, int dt, int64_t m, int rotate, float
 #if TS_AVX512  /* 16-lane stores, read back by quant_fast_x16's 16-lane loads (a wider load than the store that wrote
                   it is not forwarded from the store buffer, and stalls) */
         __m512i a = _mm512_setzero_si512();
-        const __m512i absm = _mm512_set1_epi32(0x7fffffff);
         for (; g + 32 <= m; g += 32) {
-            __m512 r0 = ld16(x, dt, g), r1 = ld16(x, dt, g + 16);
+            __m512 r0, r1;
+            ld32(x, dt, g, &r0, &r1);
             fwht_z(&r0, &r1);
+#if defined(__AVX512DQ__)
+            /* The larger |value| of lanes i and i + 16 in one instruction, then the largest bits so far. The
+               instruction returns the other operand where one is a nan, but here that other one is then a nan or an
+               infinity: they are (a + b) n and (a - b) n of the last butterfly, both nan if a or b is, and one is a nan
+               alone only as inf - inf, where the other is inf + inf. So a block with a non-finite value still reads
+               as one (bits at or above 0x7f800000, a nan scale), as with the and-and-max; the codec tests decode
+               blocks with nans and infinities in them. */
+            a = _mm512_max_epu32(a, _mm512_castps_si512(_mm512_range_ps(r0, r1, 0x0B)));
+#else
+            const __m512i absm = _mm512_set1_epi32(0x7fffffff);
             a = _mm512_max_epu32(a, _mm512_and_si512(_mm512_castps_si512(r0), absm));
             a = _mm512_max_epu32(a, _mm512_and_si512(_mm512_castps_si512(r1), absm));
+#endif
             _mm512_storeu_ps(v + g, r0); _mm512_storeu_ps(v + g + 16, r1);
         }
         ab = _mm512_reduce_max_epu32(a);
@@ -1138,58 +1160,84 @@ static int64_t quant_fast_x(const float* restrict v, int64_t m, float scale, int
 }
 #endif
 #if TS_AVX512
-/* quant_fast_x on 16 lanes: the same arithmetic per value (the product by fp32(1 / scale), the same distances to
-   the boundaries, the exact quotients for any 32 values with a lane too close). */
 typedef uint32_t ts_u32x16 __attribute__((vector_size(64)));
 static inline __m512i ts_mix16(__m512i v) {
     ts_u32x16 u = (ts_u32x16)v;
     TS_MIX(u);
     return (__m512i)u;
 }
-static int64_t quant_fast_x16(const float* restrict v, int64_t m, float scale, int bits, int sr, uint32_t bkey,
-                              uint8_t* restrict q) {
+/* 16 lanes' q from t = v * fp32(1 / scale) (stochastic: y = t + u, u = c24 * 2**-24 exactly, so the fused form
+   rounds once, as the sum), the lanes within 2**-13 of a rounding boundary added to near. With AVX512DQ the distance
+   is r = y - rn(y), exact (|y| < 2**23) in one instruction: nearest rounds wrongly only where |r| is near 1/2, floor
+   only where it is near 0. */
+TS_INLINE __m512i q16_fast(__m512 t, const int sr, __m512 c24, __mmask16* near) {
+    const __m512 y = sr ? _mm512_fmadd_ps(c24, _mm512_set1_ps(0x1p-24f), t) : t;
+    __m512i w;
+    if (sr) w = _mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    else w = _mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#if defined(__AVX512DQ__)
+    const __m512 r = _mm512_abs_ps(_mm512_reduce_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    if (sr) *near |= _mm512_cmp_ps_mask(r, _mm512_set1_ps(0x1p-13f), _CMP_LE_OQ);
+    else *near |= _mm512_cmp_ps_mask(r, _mm512_set1_ps(0.5f - 0x1p-13f), _CMP_GE_OQ);
+#else
+    const __m512 f = _mm512_sub_ps(y, _mm512_cvtepi32_ps(w));  /* nearest: y - rn(y); floor: y - floor(y) */
+    *near |= _mm512_cmp_ps_mask(_mm512_abs_ps(sr ? _mm512_sub_ps(f, _mm512_set1_ps(0.5f)) : f),
+                                _mm512_set1_ps(0.5f - 0x1p-13f), _CMP_GE_OQ);
+#endif
+    return w;
+}
+/* q + off of 16 * nr values at v (nr = 2 or 4) into bytes at q; jg holds the hash's counters of the next 16 lanes.
+   The four registers' q are packed by two saturating packs and put in order by one dword permutation (each dword
+   holds 4 consecutive values), where a conversion per register took two instructions and a shuffle port each. */
+TS_INLINE void quant_group_z(const float* restrict v, const int nr, __m512 vy, __m512 vs, const int bits,
+                             const int sr, __m512i key, __m512i* jg, uint8_t* restrict q) {
     const int32_t qmax = bits == 8 ? 127 : 7, off = bits == 8 ? 0 : 8;
+    const __m512i gold16 = _mm512_set1_epi32((int)(16u * 0x9E3779B9u));
+    __m512 x[4], c24[4];
+    __m512i w[4];
+    __mmask16 near = 0;
+    for (int c = 0; c < 4; c++) { c24[c] = _mm512_setzero_ps(); w[c] = _mm512_setzero_si512(); }
+    for (int c = 0; c < nr; c++) {
+        x[c] = _mm512_loadu_ps(v + 16 * c);
+        if (sr) {
+            c24[c] = _mm512_cvtepi32_ps(_mm512_srli_epi32(ts_mix16(_mm512_xor_si512(key, *jg)), 8));
+            *jg = _mm512_add_epi32(*jg, gold16);
+        }
+        w[c] = q16_fast(_mm512_mul_ps(x[c], vy), sr, c24[c], &near);
+    }
+    if (near)  /* rare: the exact quotients */
+        for (int c = 0; c < nr; c++) {
+            if (sr) w[c] = _mm512_cvt_roundps_epi32(_mm512_add_ps(_mm512_div_ps(x[c], vs),
+                                                                  _mm512_mul_ps(c24[c], _mm512_set1_ps(0x1p-24f))),
+                                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+            else w[c] = _mm512_cvt_roundps_epi32(_mm512_div_ps(x[c], vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        }
+    /* |q| <= qmax + 1 (stochastic; nearest <= qmax): the packs keep it, the clamp follows, then q + off fits a byte */
+    __m512i b = _mm512_packs_epi16(_mm512_packs_epi32(w[0], w[1]), _mm512_packs_epi32(w[2], w[3]));
+    b = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), b);
+    if (sr) b = _mm512_max_epi8(b, _mm512_set1_epi8((char)-qmax));
+    if (sr && bits == 4) b = _mm512_min_epi8(b, _mm512_set1_epi8((char)qmax));
+    if (off) b = _mm512_add_epi8(b, _mm512_set1_epi8((char)off));
+    if (nr == 4) _mm512_storeu_si512(q, b);
+    else _mm256_storeu_si256((__m256i*)q, _mm512_castsi512_si256(b));
+}
+/* quant_fast_x on 16 lanes: the same arithmetic per value (the product by fp32(1 / scale), the same distances to
+   the boundaries, the exact quotients for any 64 values with a lane too close); bits and sr constant per body. */
+TS_INLINE int64_t quant_fast_zt(const float* restrict v, int64_t m, float scale, const int bits, const int sr,
+                                uint32_t bkey, uint8_t* restrict q) {
     const __m512 vs = _mm512_set1_ps(scale), vy = _mm512_set1_ps(1.f / scale);
-    const __m512 half = _mm512_set1_ps(0.5f), edge = _mm512_set1_ps(0.5f - 0x1p-13f), u24 = _mm512_set1_ps(0x1p-24f);
-    const __m512i lo = _mm512_set1_epi32(-qmax), hi = _mm512_set1_epi32(qmax), vo = _mm512_set1_epi32(off);
-    const __m512i gold16 = _mm512_set1_epi32((int)(16u * 0x9E3779B9u)), key = _mm512_set1_epi32((int)bkey);
+    const __m512i key = _mm512_set1_epi32((int)bkey);
     __m512i jg = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                     _mm512_set1_epi32((int)0x9E3779B9u));
     int64_t j = 0;
-    for (; j + 32 <= m; j += 32) {
-        __m512 x[2], c24[2];
-        __m512i wi[2];
-        __mmask16 near = 0;
-        for (int c = 0; c < 2; c++) {  /* q straight from fp32 by the rounding the instruction embeds */
-            x[c] = _mm512_loadu_ps(v + j + 16 * c);
-            const __m512 t = _mm512_mul_ps(x[c], vy);
-            if (!sr) {
-                wi[c] = _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                near |= _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(t, _mm512_cvtepi32_ps(wi[c]))), edge,
-                                           _CMP_GE_OQ);
-            } else {  /* y = fp32(t + u): u = c24 * 2**-24 exactly, so the fused form rounds once, as the sum */
-                c24[c] = _mm512_cvtepi32_ps(_mm512_srli_epi32(ts_mix16(_mm512_xor_si512(key, jg)), 8));
-                jg = _mm512_add_epi32(jg, gold16);
-                const __m512 y = _mm512_fmadd_ps(c24[c], u24, t);
-                wi[c] = _mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-                near |= _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(_mm512_sub_ps(y, _mm512_cvtepi32_ps(wi[c])),
-                                                                       half)), edge, _CMP_GE_OQ);
-            }
-        }
-        if (near)  /* rare: the exact quotients */
-            for (int c = 0; c < 2; c++)
-                wi[c] = sr ? _mm512_cvt_roundps_epi32(
-                                 _mm512_add_ps(_mm512_div_ps(x[c], vs), _mm512_mul_ps(c24[c], u24)),
-                                 _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
-                           : _mm512_cvt_roundps_epi32(_mm512_div_ps(x[c], vs),
-                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        for (int c = 0; c < 2; c++) {  /* |q| <= qmax + 1: clamped (stochastic), then q + off fits a byte */
-            __m512i p = wi[c];
-            if (sr) p = _mm512_min_epi32(_mm512_max_epi32(p, lo), hi);
-            _mm_storeu_si128((__m128i*)(q + j + 16 * c), _mm512_cvtepi32_epi8(_mm512_add_epi32(p, vo)));
-        }
-    }
+    for (; j + 64 <= m; j += 64) quant_group_z(v + j, 4, vy, vs, bits, sr, key, &jg, q + j);
+    if (j + 32 <= m) { quant_group_z(v + j, 2, vy, vs, bits, sr, key, &jg, q + j); j += 32; }
     return j;
+}
+static int64_t quant_fast_x16(const float* restrict v, int64_t m, float scale, int bits, int sr, uint32_t bkey,
+                              uint8_t* restrict q) {
+    if (bits == 8) return sr ? quant_fast_zt(v, m, scale, 8, 1, bkey, q) : quant_fast_zt(v, m, scale, 8, 0, bkey, q);
+    return sr ? quant_fast_zt(v, m, scale, 4, 1, bkey, q) : quant_fast_zt(v, m, scale, 4, 0, bkey, q);
 }
 #endif
 /* Block of m fp32 values (rotated already) whose largest |value| has the bits ab: its scale, and q + off as bytes
