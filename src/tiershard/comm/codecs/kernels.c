@@ -1166,49 +1166,64 @@ static inline __m512i ts_mix16(__m512i v) {
     TS_MIX(u);
     return (__m512i)u;
 }
-/* 16 lanes' q from t = v * fp32(1 / scale) (stochastic: y = t + u, u = c24 * 2**-24 exactly, so the fused form
-   rounds once, as the sum), the lanes within 2**-13 of a rounding boundary added to near. With AVX512DQ the distance
-   is r = y - rn(y), exact (|y| < 2**23) in one instruction: nearest rounds wrongly only where |r| is near 1/2, floor
-   only where it is near 0. */
-TS_INLINE __m512i q16_fast(__m512 t, const int sr, __m512 c24, __mmask16* near) {
-    const __m512 y = sr ? _mm512_fmadd_ps(c24, _mm512_set1_ps(0x1p-24f), t) : t;
-    __m512i w;
-    if (sr) w = _mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    else w = _mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-#if defined(__AVX512DQ__)
-    const __m512 r = _mm512_abs_ps(_mm512_reduce_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    if (sr) *near |= _mm512_cmp_ps_mask(r, _mm512_set1_ps(0x1p-13f), _CMP_LE_OQ);
-    else *near |= _mm512_cmp_ps_mask(r, _mm512_set1_ps(0.5f - 0x1p-13f), _CMP_GE_OQ);
-#else
-    const __m512 f = _mm512_sub_ps(y, _mm512_cvtepi32_ps(w));  /* nearest: y - rn(y); floor: y - floor(y) */
-    *near |= _mm512_cmp_ps_mask(_mm512_abs_ps(sr ? _mm512_sub_ps(f, _mm512_set1_ps(0.5f)) : f),
-                                _mm512_set1_ps(0.5f - 0x1p-13f), _CMP_GE_OQ);
-#endif
-    return w;
-}
 /* q + off of 16 * nr values at v (nr = 2 or 4) into bytes at q; jg holds the hash's counters of the next 16 lanes.
-   The four registers' q are packed by two saturating packs and put in order by one dword permutation (each dword
-   holds 4 consecutive values), where a conversion per register took two instructions and a shuffle port each. */
+   Each lane's q comes from t = v * fp32(1 / scale) (stochastic: y = t + u, u = c24 * 2**-24 exactly, so the fused form
+   rounds once, as the sum) unless a lane of the group lies within 2**-13 of a rounding boundary: nearest rounds
+   wrongly only where y - rn(y) is near +-1/2, floor only where it is near 0. With AVX512DQ that distance is one
+   instruction (exact, |y| < 2**23) and the group's largest (nearest) or smallest (stochastic) |distance| two more
+   per pair of registers, so one comparison decides for the group. The four registers' q are packed by two
+   saturating packs and put in order by one dword permutation (each dword holds 4 consecutive values), where a
+   conversion per register took two instructions on the shuffle port. */
 TS_INLINE void quant_group_z(const float* restrict v, const int nr, __m512 vy, __m512 vs, const int bits,
                              const int sr, __m512i key, __m512i* jg, uint8_t* restrict q) {
     const int32_t qmax = bits == 8 ? 127 : 7, off = bits == 8 ? 0 : 8;
     const __m512i gold16 = _mm512_set1_epi32((int)(16u * 0x9E3779B9u));
-    __m512 x[4], c24[4];
+    const __m512 u24 = _mm512_set1_ps(0x1p-24f);
+    __m512 x[4], c24[4], d[4];
     __m512i w[4];
-    __mmask16 near = 0;
     for (int c = 0; c < 4; c++) { c24[c] = _mm512_setzero_ps(); w[c] = _mm512_setzero_si512(); }
     for (int c = 0; c < nr; c++) {
         x[c] = _mm512_loadu_ps(v + 16 * c);
+        const __m512 t = _mm512_mul_ps(x[c], vy);
         if (sr) {
             c24[c] = _mm512_cvtepi32_ps(_mm512_srli_epi32(ts_mix16(_mm512_xor_si512(key, *jg)), 8));
             *jg = _mm512_add_epi32(*jg, gold16);
+            const __m512 y = _mm512_fmadd_ps(c24[c], u24, t);
+            w[c] = _mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#if defined(__AVX512DQ__)
+            d[c] = _mm512_reduce_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else       /* |y - floor(y) - 1/2|, at least 1/2 - 2**-13 near a boundary */
+            d[c] = _mm512_sub_ps(_mm512_sub_ps(y, _mm512_cvtepi32_ps(w[c])), _mm512_set1_ps(0.5f));
+#endif
+        } else {
+            w[c] = _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#if defined(__AVX512DQ__)
+            d[c] = _mm512_reduce_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+            d[c] = _mm512_sub_ps(t, _mm512_cvtepi32_ps(w[c]));
+#endif
         }
-        w[c] = q16_fast(_mm512_mul_ps(x[c], vy), sr, c24[c], &near);
     }
+    int near;
+#if defined(__AVX512DQ__)
+    __m512 e;  /* vrangeps: 0x0B the larger |operand|, 0x0A the smaller, sign cleared */
+    if (sr) {
+        e = _mm512_range_ps(d[0], d[1], 0x0A);
+        if (nr == 4) e = _mm512_range_ps(e, _mm512_range_ps(d[2], d[3], 0x0A), 0x0A);
+        near = _mm512_cmp_ps_mask(e, _mm512_set1_ps(0x1p-13f), _CMP_LE_OQ) != 0;
+    } else {
+        e = _mm512_range_ps(d[0], d[1], 0x0B);
+        if (nr == 4) e = _mm512_range_ps(e, _mm512_range_ps(d[2], d[3], 0x0B), 0x0B);
+        near = _mm512_cmp_ps_mask(e, _mm512_set1_ps(0.5f - 0x1p-13f), _CMP_GE_OQ) != 0;
+    }
+#else
+    __mmask16 k = 0;
+    for (int c = 0; c < nr; c++) k |= _mm512_cmp_ps_mask(_mm512_abs_ps(d[c]), _mm512_set1_ps(0.5f - 0x1p-13f), _CMP_GE_OQ);
+    near = k != 0;
+#endif
     if (near)  /* rare: the exact quotients */
         for (int c = 0; c < nr; c++) {
-            if (sr) w[c] = _mm512_cvt_roundps_epi32(_mm512_add_ps(_mm512_div_ps(x[c], vs),
-                                                                  _mm512_mul_ps(c24[c], _mm512_set1_ps(0x1p-24f))),
+            if (sr) w[c] = _mm512_cvt_roundps_epi32(_mm512_add_ps(_mm512_div_ps(x[c], vs), _mm512_mul_ps(c24[c], u24)),
                                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
             else w[c] = _mm512_cvt_roundps_epi32(_mm512_div_ps(x[c], vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         }
