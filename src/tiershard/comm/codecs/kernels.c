@@ -1399,6 +1399,52 @@ int ts_encode_x(const void* x, int dt, int64_t n, int64_t k, const int64_t* orde
     }
     return failed ? -4 : 0;
 }
+#if TS_AVX512
+/* The whole groups of a rotated block (values [0, m - m % 32) from s): dequantized, rotated back in registers and
+   stored as out says: 0 through st16 (bf16 rounded by hand, fp16), 1 bf16 by the conversion instruction, 2 fp32,
+   3 added to fp32. bits and out are constants per body, so the loop holds no test of either. int4 dequantizes by a
+   16-entry table of (nibble - 8) * scale (one permutation per 16 values, the same products as the reference's), as
+   the fused decoder does; int8 by conversion and product. Returns the values done. */
+TS_INLINE int64_t decode_groups_zt(const uint8_t* prow, int64_t s, int64_t m, float scale, const int bits,
+                                   const int out, char* ob, int dt) {
+    const __m512 zs = _mm512_set1_ps(scale);
+    const __m512 tab = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_setr_epi32(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3,
+                                                                          4, 5, 6, 7)), zs);
+    const __m128i m4 = _mm_set1_epi8(15);
+    int64_t g = 0;
+    for (; g + 32 <= m; g += 32) {
+        __m512 r0, r1;
+        if (bits == 8) {
+            r0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(prow + s + g)))), zs);
+            r1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(prow + s + g + 16)))),
+                               zs);
+        } else {  /* lo: values p, p + 2, ..., hi: p + 1, p + 3, ...; from 16 bytes, or 17 when p is odd */
+            const int64_t p = s + g;
+            const __m128i b = _mm_loadu_si128((const __m128i*)(prow + p / 2));
+            __m128i lo, hi;
+            if (!(p & 1)) { lo = _mm_and_si128(b, m4); hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4); }
+            else {
+                lo = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+                hi = _mm_and_si128(_mm_loadu_si128((const __m128i*)(prow + p / 2 + 1)), m4);
+            }
+            r0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), tab);
+            r1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)), tab);
+        }
+        fwht_z(&r0, &r1);
+        if (out == 2) { _mm512_storeu_ps((float*)ob + g, r0); _mm512_storeu_ps((float*)ob + g + 16, r1); }
+        else if (out == 3) { st16(r0, ob, DT_F32, g, 1); st16(r1, ob, DT_F32, g + 16, 1); }
+#if defined(__AVX512BF16__)
+        else if (out == 1) _mm512_storeu_si512((uint16_t*)ob + g, (__m512i)_mm512_cvtne2ps_pbh(r1, r0));
+#endif
+        else { st16(r0, ob, dt, g, 0); st16(r1, ob, dt, g + 16, 0); }
+    }
+    return g;
+}
+#define TS_DEC_GROUPS(BITS) \
+    (out == 1 ? decode_groups_zt(prow, s, m, scale, BITS, 1, ob, dt) \
+     : out == 2 ? decode_groups_zt(prow, s, m, scale, BITS, 2, ob, dt) \
+     : out == 3 ? decode_groups_zt(prow, s, m, scale, BITS, 3, ob, dt) : decode_groups_zt(prow, s, m, scale, BITS, 0, ob, dt))
+#endif
 /* Decode one block: dequantize, rotate back (rotate) and store or add; whole groups in registers, the rest in v. */
 static void decode_block_x(const uint8_t* prow, const uint8_t* scrow, int64_t J, int64_t s, int64_t m, int bits,
                            int rotate, float* restrict v, char* o, int dt, int add) {
@@ -1408,39 +1454,15 @@ static void decode_block_x(const uint8_t* prow, const uint8_t* scrow, int64_t J,
     int64_t g = 0;
     if (rotate) {
 #if TS_AVX512
-        const __m512 zs = _mm512_set1_ps(scale);
+        int out = add ? 3 : dt == DT_F32 ? 2 : 0;
 #if defined(__AVX512BF16__)
         /* bf16 output by the conversion instruction, which rounds like torch but flushes subnormals (a nan keeps
            its payload, which the format leaves open). No output is subnormal when scale >= 2**-100: every q * scale
            is a multiple of 2**(e - 23) (e: the scale's exponent), and so is every sum of the butterflies, so a
            nonzero output is at least 2**(e - 23) * 0.17 >= 2**-126. */
-        const int cvt = dt == DT_BF16 && !add && scale >= 0x1p-100f;
+        if (dt == DT_BF16 && !add && scale >= 0x1p-100f) out = 1;
 #endif
-        for (; g + 32 <= m; g += 32) {
-            __m512i q0, q1;
-            if (bits == 8) {
-                q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(prow + s + g)));
-                q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(prow + s + g + 16)));
-            } else {  /* lo: values p, p + 2, ..., hi: p + 1, p + 3, ...; from 16 bytes, or 17 when p is odd */
-                const int64_t p = s + g;
-                const __m128i m4 = _mm_set1_epi8(15), b = _mm_loadu_si128((const __m128i*)(prow + p / 2));
-                __m128i lo, hi;
-                if (!(p & 1)) { lo = _mm_and_si128(b, m4); hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4); }
-                else {
-                    lo = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
-                    hi = _mm_and_si128(_mm_loadu_si128((const __m128i*)(prow + p / 2 + 1)), m4);
-                }
-                const __m128i e8 = _mm_set1_epi8(8);
-                q0 = _mm512_cvtepi8_epi32(_mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), e8));
-                q1 = _mm512_cvtepi8_epi32(_mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), e8));
-            }
-            __m512 r0 = _mm512_mul_ps(_mm512_cvtepi32_ps(q0), zs), r1 = _mm512_mul_ps(_mm512_cvtepi32_ps(q1), zs);
-            fwht_z(&r0, &r1);
-#if defined(__AVX512BF16__)
-            if (cvt) { _mm512_storeu_si512((uint16_t*)ob + g, (__m512i)_mm512_cvtne2ps_pbh(r1, r0)); continue; }
-#endif
-            st16(r0, ob, dt, g, add); st16(r1, ob, dt, g + 16, add);
-        }
+        g = bits == 8 ? TS_DEC_GROUPS(8) : TS_DEC_GROUPS(4);
 #endif
 #ifdef TS_VEC
         const ts_v8f vs = {scale, scale, scale, scale, scale, scale, scale, scale};
