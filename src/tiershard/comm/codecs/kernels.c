@@ -1153,11 +1153,13 @@ static inline __attribute__((always_inline)) int64_t quant_fast_xt(const float* 
     }
     return j;
 }
+#if !TS_AVX512  /* AVX-512 builds quantize by quant_fast_x16 */
 static int64_t quant_fast_x(const float* restrict v, int64_t m, float scale, int bits, int sr, uint32_t bkey,
                             uint8_t* restrict q) {
     if (bits == 8) return sr ? quant_fast_xt(v, m, scale, 8, 1, bkey, q) : quant_fast_xt(v, m, scale, 8, 0, bkey, q);
     return sr ? quant_fast_xt(v, m, scale, 4, 1, bkey, q) : quant_fast_xt(v, m, scale, 4, 0, bkey, q);
 }
+#endif
 #endif
 #if TS_AVX512
 typedef uint32_t ts_u32x16 __attribute__((vector_size(64)));
