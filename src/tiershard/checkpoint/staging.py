@@ -44,6 +44,8 @@ class ShardStager:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda"
+        if self.pinned and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._buffers: WeakIdKeyDictionary = WeakIdKeyDictionary()   # source storage -> CPU uint8 buffer
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiershard-stage")
         self._stream = torch.cuda.Stream(self.device) if self.pinned else None   # made here, off the main stream
@@ -76,6 +78,10 @@ class ShardStager:
 
     @torch.no_grad()
     def _stage(self, state_dict: Any, ready) -> Any:
+        if self.pinned:
+            # This thread's CUDA calls (registering buffers, the copy's stream) go to this rank's device; a new
+            # thread starts on device 0, where they would make a context on another rank's GPU.
+            torch.cuda.set_device(self.device)
         storages: dict[int, torch.UntypedStorage] = {}
         _collect(state_dict, storages)
         self.timings = {"fault": 0.0, "pin": 0.0, "made": 0, "staged": sum(s.nbytes() for s in storages.values())}
@@ -163,11 +169,16 @@ def _fault_threads() -> int:
     return max(1, min(16, (os.cpu_count() or 1) // max(local, 1)))
 
 
+#: cudaHostRegisterPortable: pinned for every CUDA context of the process, not only the registering thread's (as
+#: torch registers the buffers it pins).
+_REGISTER_PORTABLE = 1
+
+
 def _pin(buf: torch.Tensor) -> None:
     """Page-lock ``buf`` for CUDA; unlocked when ``buf`` is dropped (never at exit, after CUDA is gone). Staged
     views that outlive ``buf`` keep its memory, merely no longer locked."""
     cudart = torch.cuda.cudart()
-    error = int(cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0))
+    error = int(cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), _REGISTER_PORTABLE))
     if error:
         raise RuntimeError(f"cudaHostRegister of a {buf.numel()}-byte staging buffer failed (cudaError {error})")
     weakref.finalize(buf, cudart.cudaHostUnregister, buf.data_ptr()).atexit = False
