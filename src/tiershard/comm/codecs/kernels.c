@@ -19,6 +19,7 @@
 #define DT_F32 0
 #define DT_BF16 1
 #define DT_F16 2
+#define TS_INLINE static inline __attribute__((always_inline))  /* bodies specialized by constant arguments */
 #define TILE 4096  /* values staged at a time: even, so int4 bytes never straddle two tiles */
 
 #if defined(__FLT16_MAX__)
@@ -144,7 +145,6 @@ static void dq_n(const uint8_t* restrict q, int32_t off, int64_t m, float s, voi
 
 /* Whole blocks whose size is a multiple of 16 (int8) or 32 (int4): no tails, no staging, int4 packed in registers. */
 #define TS_FAST_BLOCKS 1
-#define TS_INLINE static inline __attribute__((always_inline))
 TS_INLINE __m512i absbits16v(const void* x, int dt, int64_t i) {
     if (dt == DT_F32) return _mm512_and_si512(_mm512_loadu_si512((const float*)x + i), _mm512_set1_epi32(0x7fffffff));
     return _mm512_and_si512(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)x + i))), _mm512_set1_epi32(0x7fff));
@@ -1447,6 +1447,58 @@ TS_INLINE int64_t decode_groups_zt(const uint8_t* prow, int64_t s, int64_t m, fl
      : out == 2 ? decode_groups_zt(prow, s, m, scale, BITS, 2, ob, dt) \
      : out == 3 ? decode_groups_zt(prow, s, m, scale, BITS, 3, ob, dt) : decode_groups_zt(prow, s, m, scale, BITS, 0, ob, dt))
 #endif
+#ifdef TS_VEC
+/* 16 values of two 8-lane registers to bf16 at o[i], rounded to nearest even as f32_to_bf16 (no nan among them). */
+TS_INLINE void st16_bf16_v(ts_v8f a, ts_v8f b, char* o, int64_t i) {
+    ts_v8u ua, ub; memcpy(&ua, &a, 32); memcpy(&ub, &b, 32);
+    const ts_v8u ra = (ua + 0x7fffu + ((ua >> 16) & 1u)) >> 16, rb = (ub + 0x7fffu + ((ub >> 16) & 1u)) >> 16;
+#if defined(__AVX2__)  /* both < 2**16, so the pack does not saturate; it interleaves 128-bit halves, the permutation
+                          puts them back in order */
+    const __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32((__m256i)ra, (__m256i)rb), 0xD8);
+    _mm256_storeu_si256((__m256i*)((uint16_t*)o + i), w);
+#else
+    const ts_v8h ha = __builtin_convertvector(ra, ts_v8h), hb = __builtin_convertvector(rb, ts_v8h);
+    memcpy((uint16_t*)o + i, &ha, 16); memcpy((uint16_t*)o + i + 8, &hb, 16);
+#endif
+}
+/* decode_groups_zt with 8-lane vectors, from value g on (what the AVX-512 loop left: nothing there): the whole groups
+   of a rotated block dequantized, rotated back and stored as out says (0 through st8, 1 bf16, 2 fp32, 3 added to
+   fp32); bits and out constant per body. bf16 rounds 16 values per pack, a group with a nan goes through st8.
+   Returns where it stopped. */
+TS_INLINE int64_t decode_groups_vt(const uint8_t* prow, int64_t s, int64_t g, int64_t m, float scale, const int bits,
+                                   const int out, char* ob, int dt) {
+    const ts_v8f vs = {scale, scale, scale, scale, scale, scale, scale, scale};
+    for (; g + 32 <= m; g += 32) {
+        ts_v8f r[4];
+#if defined(__AVX2__)
+        if (bits == 4 && !((s + g) & 1)) {  /* 16 bytes: low nibbles are the even values, high the odd ones */
+            const __m128i b = _mm_loadu_si128((const __m128i*)(prow + (s + g) / 2)), m4 = _mm_set1_epi8(15);
+            const __m128i lo = _mm_and_si128(b, m4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+            const __m128i e8 = _mm_set1_epi8(8);
+            const __m128i v0 = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), e8);
+            const __m128i v1 = _mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), e8);
+            r[0] = (ts_v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0)) * vs;
+            r[1] = (ts_v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8))) * vs;
+            r[2] = (ts_v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1)) * vs;
+            r[3] = (ts_v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8))) * vs;
+        } else
+#endif
+        for (int R = 0; R < 4; R++) r[R] = dq8(prow, s + g + 8 * R, bits, vs);
+        fwht_v(r);
+        if (out == 1) {
+            const ts_v8i nan = (r[0] != r[0]) | (r[1] != r[1]) | (r[2] != r[2]) | (r[3] != r[3]);
+            ts_v8i none = {0, 0, 0, 0, 0, 0, 0, 0};
+            if (!memcmp(&nan, &none, 32)) { st16_bf16_v(r[0], r[1], ob, g); st16_bf16_v(r[2], r[3], ob, g + 16); continue; }
+        }
+        for (int R = 0; R < 4; R++) st8(r[R], ob, out == 0 || out == 1 ? dt : DT_F32, g + 8 * R, out == 3);
+    }
+    return g;
+}
+#define TS_DEC_GROUPS_V(BITS) \
+    (out8 == 1 ? decode_groups_vt(prow, s, g, m, scale, BITS, 1, ob, dt) \
+     : out8 == 2 ? decode_groups_vt(prow, s, g, m, scale, BITS, 2, ob, dt) \
+     : out8 == 3 ? decode_groups_vt(prow, s, g, m, scale, BITS, 3, ob, dt) : decode_groups_vt(prow, s, g, m, scale, BITS, 0, ob, dt))
+#endif
 /* Decode one block: dequantize, rotate back (rotate) and store or add; whole groups in registers, the rest in v. */
 static void decode_block_x(const uint8_t* prow, const uint8_t* scrow, int64_t J, int64_t s, int64_t m, int bits,
                            int rotate, float* restrict v, char* o, int dt, int add) {
@@ -1467,26 +1519,8 @@ static void decode_block_x(const uint8_t* prow, const uint8_t* scrow, int64_t J,
         g = bits == 8 ? TS_DEC_GROUPS(8) : TS_DEC_GROUPS(4);
 #endif
 #ifdef TS_VEC
-        const ts_v8f vs = {scale, scale, scale, scale, scale, scale, scale, scale};
-        for (; g + 32 <= m; g += 32) {
-            ts_v8f r[4];
-#if defined(__AVX2__)
-            if (bits == 4 && !((s + g) & 1)) {  /* 16 bytes: low nibbles are the even values, high the odd ones */
-                const __m128i b = _mm_loadu_si128((const __m128i*)(prow + (s + g) / 2)), m4 = _mm_set1_epi8(15);
-                const __m128i lo = _mm_and_si128(b, m4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
-                const __m128i e8 = _mm_set1_epi8(8);
-                const __m128i v0 = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), e8);
-                const __m128i v1 = _mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), e8);
-                r[0] = (ts_v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0)) * vs;
-                r[1] = (ts_v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8))) * vs;
-                r[2] = (ts_v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1)) * vs;
-                r[3] = (ts_v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8))) * vs;
-            } else
-#endif
-            for (int R = 0; R < 4; R++) r[R] = dq8(prow, s + g + 8 * R, bits, vs);
-            fwht_v(r);
-            for (int R = 0; R < 4; R++) st8(r[R], ob, dt, g + 8 * R, add);
-        }
+        const int out8 = add ? 3 : dt == DT_F32 ? 2 : dt == DT_BF16 ? 1 : 0;
+        g = bits == 8 ? TS_DEC_GROUPS_V(8) : TS_DEC_GROUPS_V(4);
 #else
         for (; g + 32 <= m; g += 32) {
             dq_values(prow, s + g, 32, bits, scale, v);
