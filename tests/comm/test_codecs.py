@@ -408,16 +408,72 @@ def _cpu_flags() -> set[str]:
 _AVX512 = {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags()
 
 
+def _random_cases(seed: int, count: int):
+    """``count`` random encodes of the rotated and stochastic formats: (codec, x, k, n, order, segments, key), with
+    block sizes that leave tails of every kind, odd row layouts, bf16 / fp16 / fp32 input, nans, infinities, zeros
+    and scales from 1e-30 to 1e30."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(count):
+        rotate, stochastic = rng.choice([(True, False), (True, True), (False, True)])
+        codec = BlockCodec(rng.choice([4, 8]), rng.choice([32, 37, 64, 96, 100, 128, 160, 2048]), rotate=rotate,
+                           stochastic=stochastic)
+        k, dtype = rng.choice([1, 2, 3, 8]), rng.choice(DTYPES)
+        segments = None
+        if rng.random() < 0.4:
+            segments = tuple(rng.choice([1, 2, 5, 32, 33, 64, 96, 200, 256]) for _ in range(rng.randint(1, 6)))
+            n = sum(segments) * rng.randint(1, 3)
+        else:
+            n = rng.randint(1, 3000)
+        g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+        x = torch.randn(k * n, generator=g) * 10.0 ** rng.uniform(-30, 30 if dtype is torch.float32 else 3)
+        if rng.random() < 0.3:
+            x[rng.randrange(k * n)] = rng.choice([float("nan"), float("inf"), -float("inf")])
+        if rng.random() < 0.2:
+            x[: k * n // 2] = 0.0
+        order = list(range(k))
+        rng.shuffle(order)
+        yield codec, x.to(dtype), k, n, order, segments, rng.randrange(1 << 64) if stochastic else None
+
+
+def _equal_reference(cases, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each case's wire, decode to every dtype and sum from the kernels equal the reference's, bit for bit."""
+    for codec, x, k, n, order, segments, key in cases:
+        wire = codec.encode_wire(x, k, order=order, segments=segments, seed=key)
+        got = [codec.decode_wire(wire, k, n, dtype=d, segments=segments) for d in DTYPES]
+        got.append(codec.decode_wire_sum(wire, k, n, segments=segments))
+        with monkeypatch.context() as m:
+            m.setattr(backends, "_force_reference", True)
+            ref = codec.encode_wire(x, k, order=order, segments=segments, seed=key)
+            want = [codec.decode_wire(ref, k, n, dtype=d, segments=segments) for d in DTYPES]
+            want.append(codec.decode_wire_sum(ref, k, n, segments=segments))
+        assert torch.equal(wire, ref), (codec.spec, k, n, x.dtype, segments)
+        assert all(same_bits(a, b) for a, b in zip(got, want)), (codec.spec, k, n, x.dtype, segments)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the codecs run on the reference path only")
+def test_random_rotated_and_stochastic_cases_equal_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The general path (ts_encode_x / ts_decode_x) on random cases, beyond the hand-picked ones above."""
+    assert backends._cpu_kernels() is not None, backends.kernel_status()
+    _equal_reference(_random_cases(11, 150), monkeypatch)
+
+
+_AVX2 = {"avx2", "fma", "f16c"} <= _cpu_flags()
+
+
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
-@pytest.mark.parametrize("flags", [(), pytest.param(("-march=x86-64-v4",), marks=pytest.mark.skipif(
-    not _AVX512, reason="this CPU cannot run AVX-512 code"))], ids=["portable", "avx512-without-bf16"])
+@pytest.mark.parametrize("flags", [(), pytest.param(("-march=x86-64-v3",), marks=pytest.mark.skipif(
+    not _AVX2, reason="this CPU cannot run AVX2 code")), pytest.param(("-march=x86-64-v4",), marks=pytest.mark.skipif(
+    not _AVX512, reason="this CPU cannot run AVX-512 code"))], ids=["portable", "avx2", "avx512-without-bf16"])
 def test_other_builds_equal_reference(flags: tuple[str, ...], tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernels built without -march=native give the same bits: the compiler-vectorized code that CPUs without
-    AVX-512 run, and the AVX-512 code without the bf16 conversion instruction."""
+    AVX2 run, the 8-lane code of AVX2 CPUs, and the AVX-512 code without the bf16 conversion instruction."""
     lib = native.build(flags, tmp_path)
-    assert lib.simd == ("avx512" if flags else "compiler-vectorized")
+    assert lib.simd == ("avx512" if "-march=x86-64-v4" in flags else "compiler-vectorized")
     assert backends._self_check(lib) is None
     monkeypatch.setattr(backends, "_cpu_state", lib)
+    _equal_reference(_random_cases(13, 40), monkeypatch)
     for codec in (INT8, INT4, BlockCodec(4, 37), BlockCodec(8, 96)):
         for dtype in DTYPES if lib.has_f16 else DTYPES[:2]:
             x = _awkward(2 * 1500, dtype, seed=3)
