@@ -138,7 +138,8 @@ def render_markdown(results: dict, command: str | None = None) -> str:
         + (f" (tiers {tuple(cfg['tiers'])}: pair, node, world)" if len(cfg.get("tiers") or ()) == 3 else "")
         + f", {mode}",
         f"- {cfg['rounds']} interleaved rounds x {cfg['steps_per_round']} steps per system after {cfg['warmup']} "
-        "warm-up step(s); step time = median over timed steps of the slowest rank",
+        "warm-up step(s)" + (" and, once every system was built, one more untimed step each" if cfg["warmup"] else "")
+        + "; step time = median over timed steps of the slowest rank",
         f"- the planner's cluster: node tier {links.get('intra_bw', 0) / 1e9:.3g} GB/s and "
         f"{links.get('intra_latency', 0) * 1e6:.0f} us per rank, uncapped inter-node "
         f"{links.get('inter_bw', 0) / 1e9:.3g} GB/s and {links.get('inter_latency', 0) * 1e6:.0f} us per rank"
