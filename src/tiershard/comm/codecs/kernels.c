@@ -800,8 +800,8 @@ int ts_decode_seg(const uint8_t* pay, int64_t pstride, const uint8_t* sc, int64_
    up to 8 blocks a batch), then its scale is taken and its values quantized 32 at a time (nearest, or
    floor(y / scale + u) with u from the counter hash, eight hashes per vector), with the exact division only where a
    value lies next to a rounding boundary (quant_fast_x). Decoding dequantizes each group into registers, rotates it
-   and stores it. Work units start on even values (flat: group_blocks; layouts: whole rows, an even number when U is odd), so int4 bytes are
-   staged one value a byte per unit and packed without two threads sharing a byte. */
+   and stores it. Work units start on even values (flat: group_blocks; layouts: whole rows, an even number when U is
+   odd), so int4 bytes are staged one value a byte per unit and packed without two threads sharing a byte. */
 #define TS_NORM32 0.17677669529663687f  /* fp32(32 ** -0.5) */
 /* The counter hash's steps, for a uint32_t or a vector of them (GCC/clang vector types take the same operators). */
 #define TS_MIX(v) do { v ^= v >> 16; v *= 0x7FEB352Du; v ^= v >> 15; v *= 0x846CA68Bu; v ^= v >> 16; } while (0)
@@ -1447,7 +1447,7 @@ TS_INLINE int64_t decode_groups_zt(const uint8_t* prow, int64_t s, int64_t m, fl
      : out == 2 ? decode_groups_zt(prow, s, m, scale, BITS, 2, ob, dt) \
      : out == 3 ? decode_groups_zt(prow, s, m, scale, BITS, 3, ob, dt) : decode_groups_zt(prow, s, m, scale, BITS, 0, ob, dt))
 #endif
-#ifdef TS_VEC
+#if defined(TS_VEC) && !TS_AVX512
 /* 16 values of two 8-lane registers to bf16 at o[i], rounded to nearest even as f32_to_bf16 (no nan among them). */
 TS_INLINE void st16_bf16_v(ts_v8f a, ts_v8f b, char* o, int64_t i) {
     ts_v8u ua, ub; memcpy(&ua, &a, 32); memcpy(&ub, &b, 32);
@@ -1461,13 +1461,13 @@ TS_INLINE void st16_bf16_v(ts_v8f a, ts_v8f b, char* o, int64_t i) {
     memcpy((uint16_t*)o + i, &ha, 16); memcpy((uint16_t*)o + i + 8, &hb, 16);
 #endif
 }
-/* decode_groups_zt with 8-lane vectors, from value g on (what the AVX-512 loop left: nothing there): the whole groups
-   of a rotated block dequantized, rotated back and stored as out says (0 through st8, 1 bf16, 2 fp32, 3 added to
-   fp32); bits and out constant per body. bf16 rounds 16 values per pack, a group with a nan goes through st8.
-   Returns where it stopped. */
-TS_INLINE int64_t decode_groups_vt(const uint8_t* prow, int64_t s, int64_t g, int64_t m, float scale, const int bits,
+/* decode_groups_zt with 8-lane vectors: the whole groups of a rotated block dequantized, rotated back and stored as
+   out says (0 through st8, 1 bf16, 2 fp32, 3 added to fp32); bits and out constant per body. bf16 rounds 16 values
+   per pack, a group with a nan goes through st8. Returns the values done. */
+TS_INLINE int64_t decode_groups_vt(const uint8_t* prow, int64_t s, int64_t m, float scale, const int bits,
                                    const int out, char* ob, int dt) {
     const ts_v8f vs = {scale, scale, scale, scale, scale, scale, scale, scale};
+    int64_t g = 0;
     for (; g + 32 <= m; g += 32) {
         ts_v8f r[4];
 #if defined(__AVX2__)
@@ -1495,9 +1495,9 @@ TS_INLINE int64_t decode_groups_vt(const uint8_t* prow, int64_t s, int64_t g, in
     return g;
 }
 #define TS_DEC_GROUPS_V(BITS) \
-    (out8 == 1 ? decode_groups_vt(prow, s, g, m, scale, BITS, 1, ob, dt) \
-     : out8 == 2 ? decode_groups_vt(prow, s, g, m, scale, BITS, 2, ob, dt) \
-     : out8 == 3 ? decode_groups_vt(prow, s, g, m, scale, BITS, 3, ob, dt) : decode_groups_vt(prow, s, g, m, scale, BITS, 0, ob, dt))
+    (out == 1 ? decode_groups_vt(prow, s, m, scale, BITS, 1, ob, dt) \
+     : out == 2 ? decode_groups_vt(prow, s, m, scale, BITS, 2, ob, dt) \
+     : out == 3 ? decode_groups_vt(prow, s, m, scale, BITS, 3, ob, dt) : decode_groups_vt(prow, s, m, scale, BITS, 0, ob, dt))
 #endif
 /* Decode one block: dequantize, rotate back (rotate) and store or add; whole groups in registers, the rest in v. */
 static void decode_block_x(const uint8_t* prow, const uint8_t* scrow, int64_t J, int64_t s, int64_t m, int bits,
@@ -1517,9 +1517,8 @@ static void decode_block_x(const uint8_t* prow, const uint8_t* scrow, int64_t J,
         if (dt == DT_BF16 && !add && scale >= 0x1p-100f) out = 1;
 #endif
         g = bits == 8 ? TS_DEC_GROUPS(8) : TS_DEC_GROUPS(4);
-#endif
-#ifdef TS_VEC
-        const int out8 = add ? 3 : dt == DT_F32 ? 2 : dt == DT_BF16 ? 1 : 0;
+#elif defined(TS_VEC)
+        const int out = add ? 3 : dt == DT_F32 ? 2 : dt == DT_BF16 ? 1 : 0;
         g = bits == 8 ? TS_DEC_GROUPS_V(8) : TS_DEC_GROUPS_V(4);
 #else
         for (; g + 32 <= m; g += 32) {
