@@ -473,27 +473,13 @@ def test_other_builds_equal_reference(flags: tuple[str, ...], tmp_path, monkeypa
     assert lib.simd == ("avx512" if "-march=x86-64-v4" in flags else "compiler-vectorized")
     assert backends._self_check(lib) is None
     monkeypatch.setattr(backends, "_cpu_state", lib)
-    _equal_reference(_random_cases(13, 40), monkeypatch)
-    for codec in (INT8, INT4, BlockCodec(4, 37), BlockCodec(8, 96)):
-        for dtype in DTYPES if lib.has_f16 else DTYPES[:2]:
-            x = _awkward(2 * 1500, dtype, seed=3)
-            fused, ref, ref_dec, ref_sum = _encode_both(codec, x, 2, [1, 0], monkeypatch)
-            assert torch.equal(fused, ref)
-            assert same_bits(codec.decode_wire(fused, 2, 1500, dtype=dtype), ref_dec[dtype])
-            assert same_bits(codec.decode_wire_sum(fused, 2, 1500), ref_sum)
-    for codec, segments, rows, k in _seg_cases()[:6]:
-        n = rows * sum(segments)
-        for dtype in DTYPES if lib.has_f16 else DTYPES[:2]:
-            x = _awkward(k * n, dtype, seed=5)
-            fused = codec.encode_wire(x, k, order=list(reversed(range(k))), segments=segments)
-            with monkeypatch.context() as m:
-                m.setattr(backends, "_force_reference", True)
-                ref = codec.encode_wire(x, k, order=list(reversed(range(k))), segments=segments)
-                ref_dec = codec.decode_wire(ref, k, n, dtype=dtype, segments=segments)
-                ref_sum = codec.decode_wire_sum(ref, k, n, segments=segments)
-            assert torch.equal(fused, ref), (codec, segments, dtype)
-            assert same_bits(codec.decode_wire(fused, k, n, dtype=dtype, segments=segments), ref_dec)
-            assert same_bits(codec.decode_wire_sum(fused, k, n, segments=segments), ref_sum)
+    dtypes = DTYPES if lib.has_f16 else DTYPES[:2]
+    flat = [(codec, _awkward(2 * 1500, dtype, seed=3), 2, 1500, [1, 0], None, None)
+            for codec in (INT8, INT4, BlockCodec(4, 37), BlockCodec(8, 96)) for dtype in dtypes]
+    rows = [(codec, _awkward(k * rows * sum(segments), dtype, seed=5), k, rows * sum(segments),
+             list(reversed(range(k))), segments, None)
+            for codec, segments, rows, k in _seg_cases()[:6] for dtype in dtypes]
+    _equal_reference(flat + rows + list(_random_cases(13, 40)), monkeypatch)
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
