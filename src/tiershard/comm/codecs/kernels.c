@@ -1442,10 +1442,6 @@ TS_INLINE int64_t decode_groups_zt(const uint8_t* prow, int64_t s, int64_t m, fl
     }
     return g;
 }
-#define TS_DEC_GROUPS(BITS) \
-    (out == 1 ? decode_groups_zt(prow, s, m, scale, BITS, 1, ob, dt) \
-     : out == 2 ? decode_groups_zt(prow, s, m, scale, BITS, 2, ob, dt) \
-     : out == 3 ? decode_groups_zt(prow, s, m, scale, BITS, 3, ob, dt) : decode_groups_zt(prow, s, m, scale, BITS, 0, ob, dt))
 #endif
 #if defined(TS_VEC) && !TS_AVX512
 /* 16 values of two 8-lane registers to bf16 at o[i], rounded to nearest even as f32_to_bf16 (no nan among them). */
@@ -1494,11 +1490,11 @@ TS_INLINE int64_t decode_groups_vt(const uint8_t* prow, int64_t s, int64_t m, fl
     }
     return g;
 }
-#define TS_DEC_GROUPS_V(BITS) \
-    (out == 1 ? decode_groups_vt(prow, s, m, scale, BITS, 1, ob, dt) \
-     : out == 2 ? decode_groups_vt(prow, s, m, scale, BITS, 2, ob, dt) \
-     : out == 3 ? decode_groups_vt(prow, s, m, scale, BITS, 3, ob, dt) : decode_groups_vt(prow, s, m, scale, BITS, 0, ob, dt))
 #endif
+/* FN (decode_groups_zt or decode_groups_vt) with its output kind out as a constant, so each kind gets its own body */
+#define TS_DEC_GROUPS(FN, BITS) \
+    (out == 1 ? FN(prow, s, m, scale, BITS, 1, ob, dt) : out == 2 ? FN(prow, s, m, scale, BITS, 2, ob, dt) \
+     : out == 3 ? FN(prow, s, m, scale, BITS, 3, ob, dt) : FN(prow, s, m, scale, BITS, 0, ob, dt))
 /* Decode one block: dequantize, rotate back (rotate) and store or add; whole groups in registers, the rest in v. */
 static void decode_block_x(const uint8_t* prow, const uint8_t* scrow, int64_t J, int64_t s, int64_t m, int bits,
                            int rotate, float* restrict v, char* o, int dt, int add) {
@@ -1516,10 +1512,10 @@ static void decode_block_x(const uint8_t* prow, const uint8_t* scrow, int64_t J,
            nonzero output is at least 2**(e - 23) * 0.17 >= 2**-126. */
         if (dt == DT_BF16 && !add && scale >= 0x1p-100f) out = 1;
 #endif
-        g = bits == 8 ? TS_DEC_GROUPS(8) : TS_DEC_GROUPS(4);
+        g = bits == 8 ? TS_DEC_GROUPS(decode_groups_zt, 8) : TS_DEC_GROUPS(decode_groups_zt, 4);
 #elif defined(TS_VEC)
         const int out = add ? 3 : dt == DT_F32 ? 2 : dt == DT_BF16 ? 1 : 0;
-        g = bits == 8 ? TS_DEC_GROUPS_V(8) : TS_DEC_GROUPS_V(4);
+        g = bits == 8 ? TS_DEC_GROUPS(decode_groups_vt, 8) : TS_DEC_GROUPS(decode_groups_vt, 4);
 #else
         for (; g + 32 <= m; g += 32) {
             dq_values(prow, s + g, 32, bits, scale, v);
