@@ -249,7 +249,10 @@ def test_transformers_gpt2_loads_with_the_same_logits(ckpts, tmp_path):
     assert model.lm_head.weight is model.transformer.wte.weight            # tied again
     eager = T.GPT2LMHeadModel(T.GPT2Config.from_pretrained(ckpts / "hf-config")).eval()
     eager.load_state_dict(ref["state"])
+    _same(model.state_dict(), eager.state_dict())                          # the full weights, exactly
     with torch.no_grad():
         logits = model(input_ids=ref["ids"]).logits
-        assert torch.equal(logits, eager(input_ids=ref["ids"]).logits)      # the full weights, exactly
+        # Same weights, same forward; not asserted bit for bit, because the CPU matmul kernels may take another
+        # path for tensors at another alignment (the safetensors-loaded weights), a last-bit difference.
+        torch.testing.assert_close(logits, eager(input_ids=ref["ids"]).logits, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(logits, ref["logits"], atol=1e-5, rtol=1e-5)  # the sharded model's own forward
