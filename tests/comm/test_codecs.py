@@ -476,10 +476,10 @@ def test_other_builds_equal_reference(flags: tuple[str, ...], tmp_path, monkeypa
     dtypes = DTYPES if lib.has_f16 else DTYPES[:2]
     flat = [(codec, _awkward(2 * 1500, dtype, seed=3), 2, 1500, [1, 0], None, None)
             for codec in (INT8, INT4, BlockCodec(4, 37), BlockCodec(8, 96)) for dtype in dtypes]
-    rows = [(codec, _awkward(k * rows * sum(segments), dtype, seed=5), k, rows * sum(segments),
-             list(reversed(range(k))), segments, None)
-            for codec, segments, rows, k in _seg_cases()[:6] for dtype in dtypes]
-    _equal_reference(flat + rows + list(_random_cases(13, 40)), monkeypatch)
+    laid_out = [(codec, _awkward(k * nrows * sum(segments), dtype, seed=5), k, nrows * sum(segments),
+                 list(reversed(range(k))), segments, None)
+                for codec, segments, nrows, k in _seg_cases()[:6] for dtype in dtypes]
+    _equal_reference(flat + laid_out + list(_random_cases(13, 40)), monkeypatch)
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
