@@ -797,9 +797,8 @@ int ts_decode_seg(const uint8_t* pay, int64_t pstride, const uint8_t* sc, int64_
    One general path for codecs with rotate or stochastic set, flat (bs == NULL: block j covers [j*block, ...)) or
    with a row layout (bs as above). Each block's whole 32-value groups are loaded into four 8-lane registers, rotated
    there and stored to an fp32 buffer with their absmax taken on the way (the rest of the block is copied as it is;
-   up to 8 blocks a batch), then its scale is taken and its values quantized 32 at a time (nearest, or
-   floor(y / scale + u) with u from the counter hash, eight hashes per vector), with the exact division only where a
-   value lies next to a rounding boundary (quant_fast_x). Decoding dequantizes each group into registers, rotates it
+   up to 8 blocks a batch), then its scale is taken and its values quantized 32 at a time by the product with the
+   scale's reciprocal (nearest, or floor(t + u) with u from the counter hash, sixteen hashes per vector). Decoding dequantizes each group into registers, rotates it
    and stores it. Work units start on even values (flat: group_blocks; layouts: whole rows, an even number when U is
    odd), so int4 bytes are staged one value a byte per unit and packed without two threads sharing a byte. */
 #define TS_NORM32 0.17677669529663687f  /* fp32(32 ** -0.5) */
@@ -812,13 +811,15 @@ static inline uint32_t ts_mix(uint32_t v) {
 static inline uint32_t ts_row_key(uint64_t seed, int64_t i) {
     return ts_mix(ts_mix(ts_mix((uint32_t)seed ^ 0x243F6A88u) ^ (uint32_t)(seed >> 32)) ^ (uint32_t)i);
 }
-/* Five butterfly stages h = 1..16 in the format's order, then the product by fp32(32 ** -0.5). Every output is the
-   a + b or a - b of the same two values whichever way it is computed, so the vector form gives the scalar bits. */
-static inline void fwht32(float* restrict v) {
+/* Five butterfly stages h = 1..16 in the format's order, then the product by f: fp32(32 ** -0.5) to rotate,
+   fp32(scale * fp32(32 ** -0.5)) to decode a group of q (integers, so the stages are exact and the product is the one
+   rounding). Every output is the a + b or a - b of the same two values whichever way it is computed, so the vector
+   forms give the scalar bits. */
+static inline void fwht32(float* restrict v, float f) {
     for (int h = 1; h < 32; h <<= 1)
         for (int p = 0; p < 32; p += 2 * h)
             for (int t = p; t < p + h; t++) { const float a = v[t], b = v[t + h]; v[t] = a + b; v[t + h] = a - b; }
-    for (int t = 0; t < 32; t++) v[t] *= TS_NORM32;
+    for (int t = 0; t < 32; t++) v[t] *= f;
 }
 static void load_f32(const char* x, int dt, int64_t m, float* restrict v) {
     if (dt == DT_F32) { memcpy(v, x, (size_t)(4 * m)); return; }
@@ -875,7 +876,7 @@ static inline __attribute__((always_inline)) ts_v8f ts_pm(ts_v8f x, ts_v8f s, ts
 #define TS_STAGE(S, ...) do { \
         for (int R_ = 0; R_ < 4; R_++) r[R_] = ts_pm(r[R_], S, __builtin_shuffle(r[R_], (ts_v8i){__VA_ARGS__})); \
     } while (0)
-static inline __attribute__((always_inline)) void fwht_v(ts_v8f* restrict r) {
+static inline __attribute__((always_inline)) void fwht_v(ts_v8f* restrict r, float f) {
     const ts_v8f s1 = {1, -1, 1, -1, 1, -1, 1, -1}, s2 = {1, 1, -1, -1, 1, 1, -1, -1};
     const ts_v8f s4 = {1, 1, 1, 1, -1, -1, -1, -1};
     TS_STAGE(s1, 1, 0, 3, 2, 5, 4, 7, 6);    /* h = 1 */
@@ -889,7 +890,7 @@ static inline __attribute__((always_inline)) void fwht_v(ts_v8f* restrict r) {
     r[0] = a + b; r[2] = a - b;
     a = r[1]; b = r[3];
     r[1] = a + b; r[3] = a - b;
-    const ts_v8f n = {TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32, TS_NORM32};
+    const ts_v8f n = {f, f, f, f, f, f, f, f};
     r[0] *= n; r[1] *= n; r[2] *= n; r[3] *= n;
 }
 /* lane-wise max of a and the |f| bits of f (|f| bits order like the values, nan above all: see absbits32) */
@@ -979,7 +980,7 @@ static inline __attribute__((always_inline)) __m512 ts_zsign(__mmask16 set) {
     return _mm512_mask_blend_ps(set, _mm512_set1_ps(1.f), _mm512_set1_ps(-1.f));
 }
 #define TS_ZSTAGE(R, T, S) do { R = _mm512_fmadd_ps(R, (S), (T)); } while (0)
-static inline __attribute__((always_inline)) void fwht_z(__m512* restrict r0, __m512* restrict r1) {
+static inline __attribute__((always_inline)) void fwht_z(__m512* restrict r0, __m512* restrict r1, float f) {
     const __m512 s1 = ts_zsign(0xAAAA), s2 = ts_zsign(0xCCCC), s4 = ts_zsign(0xF0F0), s8 = ts_zsign(0xFF00);
     TS_ZSTAGE(*r0, _mm512_permute_ps(*r0, 0xB1), s1); TS_ZSTAGE(*r1, _mm512_permute_ps(*r1, 0xB1), s1);
     TS_ZSTAGE(*r0, _mm512_permute_ps(*r0, 0x4E), s2); TS_ZSTAGE(*r1, _mm512_permute_ps(*r1, 0x4E), s2);
@@ -987,7 +988,7 @@ static inline __attribute__((always_inline)) void fwht_z(__m512* restrict r0, __
     TS_ZSTAGE(*r1, _mm512_shuffle_f32x4(*r1, *r1, 0xB1), s4);
     TS_ZSTAGE(*r0, _mm512_shuffle_f32x4(*r0, *r0, 0x4E), s8);
     TS_ZSTAGE(*r1, _mm512_shuffle_f32x4(*r1, *r1, 0x4E), s8);
-    const __m512 a = *r0, b = *r1, n = _mm512_set1_ps(TS_NORM32);
+    const __m512 a = *r0, b = *r1, n = _mm512_set1_ps(f);
     *r0 = _mm512_mul_ps(_mm512_add_ps(a, b), n);
     *r1 = _mm512_mul_ps(_mm512_sub_ps(a, b), n);
 }
@@ -1023,7 +1024,7 @@ static uint32_t load_block_x(const char* x, int dt, int64_t m, int rotate, float
         for (; g + 32 <= m; g += 32) {
             __m512 r0, r1;
             ld32(x, dt, g, &r0, &r1);
-            fwht_z(&r0, &r1);
+            fwht_z(&r0, &r1, TS_NORM32);
 #if defined(__AVX512DQ__)
             /* The larger |value| of lanes i and i + 16 in one instruction, then the largest bits so far. The
                instruction returns the other operand where one is a nan, but here that other one is then a nan or an
@@ -1044,14 +1045,14 @@ static uint32_t load_block_x(const char* x, int dt, int64_t m, int rotate, float
         ts_v8u a = {0, 0, 0, 0, 0, 0, 0, 0};
         for (; g + 32 <= m; g += 32) {
             ts_v8f r[4] = {ld8(x, dt, g), ld8(x, dt, g + 8), ld8(x, dt, g + 16), ld8(x, dt, g + 24)};
-            fwht_v(r);
+            fwht_v(r, TS_NORM32);
             a = amax8(amax8(amax8(amax8(a, r[0]), r[1]), r[2]), r[3]);
             memcpy(v + g, &r[0], 32); memcpy(v + g + 8, &r[1], 32);
             memcpy(v + g + 16, &r[2], 32); memcpy(v + g + 24, &r[3], 32);
         }
         for (int l = 0; l < 8; l++) ab = a[l] > ab ? a[l] : ab;
 #else
-        for (; g + 32 <= m; g += 32) { load_f32(x + g * (dt == DT_F32 ? 4 : 2), dt, 32, v + g); fwht32(v + g); }
+        for (; g + 32 <= m; g += 32) { load_f32(x + g * (dt == DT_F32 ? 4 : 2), dt, 32, v + g); fwht32(v + g, TS_NORM32); }
         ab = absbits32((const uint32_t*)v, g);
 #endif
     } else if (dt == DT_F32) {
@@ -1065,83 +1066,46 @@ static uint32_t load_block_x(const char* x, int dt, int64_t m, int rotate, float
     }
     return ab;
 }
+/* The rotated and stochastic formats quantize t = fp32(y * r), r = fp32(1 / scale) (format.py: "Quantizing by the
+   reciprocal"): a product, where the exact quotient of the plain formats costs a division per value (one vector
+   every 5-7 cycles on AVX2 machines, 10 on AVX-512 ones). The fast paths below take normal scales, whose values
+   need no lifting; they round t to nearest even or take floor(t + u) (u = c24 * 2**-24 exactly, so a fused product
+   and sum rounds once, as the sum does), with no clamp for nearest: |t| <= qmax (1 + 2**-22) rounds to at most qmax. */
 #if defined(__AVX2__)
-/* Quantizing without a division per value. fp32 division is slow (one vector every 5-7 cycles on AVX2 machines) and
-   the reference's bits need the correctly rounded v / scale, so each vector first takes t = v * fp32(1 / scale):
-   with X = v / scale exactly, |t - X| <= 2**-23 |X| (1 + 2**-24) and |fp32(X) - X| <= 2**-24 |X|, and |X| < 128
-   (|v| <= absmax = scale * qmax up to rounding). Rounding only looks at where a value falls between boundaries
-   (nearest: half-integers; stochastic: integers, after adding u in fp32), and the approximate and the exact path
-   differ there by less than 2**-15 (stochastic: plus the two additions' roundings, 2**-24 |t + u| each, under
-   2**-14 in all). So when t (or fp32(t + u)) lies at least 2**-13 from every boundary, both fall on the same side of
-   all of them and give the same q; the distances are computed exactly. Any 32 values with a lane closer than that
-   (about one in a hundred) are quantized with the exact division instead. Normal scales only: 1 / scale is then
-   normal too (scale <= FLT_MAX / qmax < 2**126). */
 typedef uint32_t ts_u32x8 __attribute__((vector_size(32)));
 static inline __m256i ts_mix8(__m256i v) {
     ts_u32x8 u = (ts_u32x8)v;
     TS_MIX(u);
     return (__m256i)u;
 }
-/* q + off of values [0, m - m % 32) of v (scale normal and finite); returns how many it did. On AVX2 the floor is
-   read off the bits: z = fp32(v * (1 / scale) + C) (stochastic: then + u) with C = 24 (int4) or 384 (int8), plus 0.5
-   for nearest, lies in [16, 32) or [256, 512), where a float's integer part is its mantissa's top 4 or 8 bits and
-   its fraction the 19 or 15 below them. z's error against C + the exact quotient (+ u) stays under 2**-14, so where
-   the fraction lies at least 2**-13 from 0 and 1 (64 or 4 units of its last place) the top bits are
-   floor(quotient (+ u)) + C's integer part; elsewhere (z at or just past 32 or 512 included) the exact division
-   decides. Three integer instructions check a vector, where a floor (two), a subtraction and an absolute value did:
-   the stochastic encode 4-5% faster (docs/codecs.md). */
-static inline __m256 ts_fma8(__m256 a, __m256 b, __m256 c) {  /* a * b + c; either form keeps the bound above */
+static inline __m256 ts_fma8(__m256 a, __m256 b, __m256 c) {  /* a * b + c, a * b exact at every call */
 #if defined(__FMA__)
     return _mm256_fmadd_ps(a, b, c);
 #else
     return _mm256_add_ps(_mm256_mul_ps(a, b), c);
 #endif
 }
-/* bits and sr are constants at each call of this body (quant_fast_x below), so shifts take immediates and the
-   loop's constants stay in registers. */
-static inline __attribute__((always_inline)) int64_t quant_fast_xt(const float* restrict v, int64_t m, float scale,
+/* q + off of values [0, m - m % 32) of v into bytes at q; returns how many it did. bits and sr are constants at
+   each call of this body (quant_fast_x below), so the loop's constants stay in registers. */
+static inline __attribute__((always_inline)) int64_t quant_fast_xt(const float* restrict v, int64_t m, float r,
                                                                    const int bits, const int sr, uint32_t bkey,
                                                                    uint8_t* restrict q) {
-    const int32_t qmax = bits == 8 ? 127 : 7, bias = bits == 8 ? 128 : 8, fb = bits == 8 ? 15 : 19;
-    const __m256 vy = _mm256_set1_ps(1.f / scale), u24 = _mm256_set1_ps(0x1p-24f);
-    const __m256 c = _mm256_set1_ps((bits == 8 ? 384.f : 24.f) + (sr ? 0.f : 0.5f));
-    /* stochastic: the fraction's bits shifted to the top, where near 0 or 1 reads as a small |signed value| (a
-       fraction of exactly 0.5 reads as INT32_MIN and is sent the exact way too; rare there); nearest, whose zeros
-       would all land there: (bits + 2**(fb - 13)) mod 2**fb < 2**(fb - 12) */
-    const __m256i lim = _mm256_set1_epi32(sr ? (int32_t)(1u << (32 - 13)) : 2 << (fb - 13));
-    const __m256i ulps = _mm256_set1_epi32(1 << (fb - 13)), frac = _mm256_set1_epi32((1 << fb) - 1);
-    const __m256i top = _mm256_set1_epi32(bits == 8 ? 255 : 15);
+    const int32_t qmax = bits == 8 ? 127 : 7, bias = bits == 8 ? 128 : 8;
+    const __m256 vy = _mm256_set1_ps(r), u24 = _mm256_set1_ps(0x1p-24f);
     const __m256i gold8 = _mm256_set1_epi32((int)(8u * 0x9E3779B9u)), key = _mm256_set1_epi32((int)bkey);
     __m256i jg = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)0x9E3779B9u));
     int64_t j = 0;
     for (; j + 32 <= m; j += 32) {
-        const __m256i jg0 = jg;
-        __m256i w[4], near = _mm256_setzero_si256();
-        for (int r = 0; r < 4; r++) {
-            __m256 z = ts_fma8(_mm256_loadu_ps(v + j + 8 * r), vy, c);
-            if (sr) {  /* u = c24 * 2**-24 */
+        __m256i w[4];
+        for (int c = 0; c < 4; c++) {
+            const __m256 t = _mm256_mul_ps(_mm256_loadu_ps(v + j + 8 * c), vy);
+            __m256 e;
+            if (sr) {
                 const __m256 c24 = _mm256_cvtepi32_ps(_mm256_srli_epi32(ts_mix8(_mm256_xor_si256(key, jg)), 8));
                 jg = _mm256_add_epi32(jg, gold8);
-                z = ts_fma8(c24, u24, z);
-            }
-            const __m256i zi = _mm256_castps_si256(z);
-            near = _mm256_or_si256(near, _mm256_cmpgt_epi32(lim, sr ? _mm256_abs_epi32(_mm256_slli_epi32(zi, 32 - fb))
-                                                                 : _mm256_and_si256(_mm256_add_epi32(zi, ulps), frac)));
-            w[r] = _mm256_and_si256(_mm256_srli_epi32(zi, fb), top);  /* q + bias */
-        }
-        if (!_mm256_testz_si256(near, near)) {  /* rare: the exact quotients */
-            const __m256 vs = _mm256_set1_ps(scale);
-            __m256i jr = jg0;
-            for (int r = 0; r < 4; r++) {
-                const __m256 t = _mm256_div_ps(_mm256_loadu_ps(v + j + 8 * r), vs);
-                __m256 e;
-                if (sr) {
-                    const __m256 c24 = _mm256_cvtepi32_ps(_mm256_srli_epi32(ts_mix8(_mm256_xor_si256(key, jr)), 8));
-                    jr = _mm256_add_epi32(jr, gold8);
-                    e = _mm256_floor_ps(_mm256_add_ps(t, _mm256_mul_ps(c24, u24)));
-                } else e = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                w[r] = _mm256_add_epi32(_mm256_cvttps_epi32(e), _mm256_set1_epi32(bias));  /* 0 <= q + bias <= 256 */
-            }
+                e = _mm256_floor_ps(ts_fma8(c24, u24, t));
+            } else e = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            w[c] = _mm256_add_epi32(_mm256_cvttps_epi32(e), _mm256_set1_epi32(bias));  /* 0 <= q + bias <= 256 */
         }
         /* q + bias in 0..256 as bytes (256 saturates to 255); int8: flipping the top bit gives q */
         __m256i p = _mm256_packus_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3]));
@@ -1154,10 +1118,10 @@ static inline __attribute__((always_inline)) int64_t quant_fast_xt(const float* 
     return j;
 }
 #if !TS_AVX512  /* AVX-512 builds quantize by quant_fast_x16 */
-static int64_t quant_fast_x(const float* restrict v, int64_t m, float scale, int bits, int sr, uint32_t bkey,
+static int64_t quant_fast_x(const float* restrict v, int64_t m, float r, int bits, int sr, uint32_t bkey,
                             uint8_t* restrict q) {
-    if (bits == 8) return sr ? quant_fast_xt(v, m, scale, 8, 1, bkey, q) : quant_fast_xt(v, m, scale, 8, 0, bkey, q);
-    return sr ? quant_fast_xt(v, m, scale, 4, 1, bkey, q) : quant_fast_xt(v, m, scale, 4, 0, bkey, q);
+    if (bits == 8) return sr ? quant_fast_xt(v, m, r, 8, 1, bkey, q) : quant_fast_xt(v, m, r, 8, 0, bkey, q);
+    return sr ? quant_fast_xt(v, m, r, 4, 1, bkey, q) : quant_fast_xt(v, m, r, 4, 0, bkey, q);
 }
 #endif
 #endif
@@ -1169,66 +1133,23 @@ static inline __m512i ts_mix16(__m512i v) {
     return (__m512i)u;
 }
 /* q + off of 16 * nr values at v (nr = 2 or 4) into bytes at q; jg holds the hash's counters of the next 16 lanes.
-   Each lane's q comes from t = v * fp32(1 / scale) (stochastic: y = t + u, u = c24 * 2**-24 exactly, so the fused form
-   rounds once, as the sum) unless a lane of the group lies within 2**-13 of a rounding boundary: nearest rounds
-   wrongly only where y - rn(y) is near +-1/2, floor only where it is near 0. With AVX512DQ that distance is one
-   instruction (exact, |y| < 2**23) and the group's largest (nearest) or smallest (stochastic) |distance| two more
-   per pair of registers, so one comparison decides for the group. The four registers' q are packed by two
-   saturating packs and put in order by one dword permutation (each dword holds 4 consecutive values), where a
-   conversion per register took two instructions on the shuffle port. */
-TS_INLINE void quant_group_z(const float* restrict v, const int nr, __m512 vy, __m512 vs, const int bits,
-                             const int sr, __m512i key, __m512i* jg, uint8_t* restrict q) {
+   The four registers' q are packed by two saturating packs and put in order by one dword permutation (each dword
+   holds 4 consecutive values), where a conversion per register took two instructions on the shuffle port. */
+TS_INLINE void quant_group_z(const float* restrict v, const int nr, __m512 vy, const int bits, const int sr,
+                             __m512i key, __m512i* jg, uint8_t* restrict q) {
     const int32_t qmax = bits == 8 ? 127 : 7, off = bits == 8 ? 0 : 8;
     const __m512i gold16 = _mm512_set1_epi32((int)(16u * 0x9E3779B9u));
     const __m512 u24 = _mm512_set1_ps(0x1p-24f);
-    __m512 x[4], c24[4], d[4];
     __m512i w[4];
-    for (int c = 0; c < 4; c++) { c24[c] = _mm512_setzero_ps(); w[c] = _mm512_setzero_si512(); }
+    for (int c = 0; c < 4; c++) w[c] = _mm512_setzero_si512();
     for (int c = 0; c < nr; c++) {
-        x[c] = _mm512_loadu_ps(v + 16 * c);
-        const __m512 t = _mm512_mul_ps(x[c], vy);
+        const __m512 t = _mm512_mul_ps(_mm512_loadu_ps(v + 16 * c), vy);
         if (sr) {
-            c24[c] = _mm512_cvtepi32_ps(_mm512_srli_epi32(ts_mix16(_mm512_xor_si512(key, *jg)), 8));
+            const __m512 c24 = _mm512_cvtepi32_ps(_mm512_srli_epi32(ts_mix16(_mm512_xor_si512(key, *jg)), 8));
             *jg = _mm512_add_epi32(*jg, gold16);
-            const __m512 y = _mm512_fmadd_ps(c24[c], u24, t);
-            w[c] = _mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-#if defined(__AVX512DQ__)
-            d[c] = _mm512_reduce_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-#else       /* |y - floor(y) - 1/2|, at least 1/2 - 2**-13 near a boundary */
-            d[c] = _mm512_sub_ps(_mm512_sub_ps(y, _mm512_cvtepi32_ps(w[c])), _mm512_set1_ps(0.5f));
-#endif
-        } else {
-            w[c] = _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-#if defined(__AVX512DQ__)
-            d[c] = _mm512_reduce_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-#else
-            d[c] = _mm512_sub_ps(t, _mm512_cvtepi32_ps(w[c]));
-#endif
-        }
+            w[c] = _mm512_cvt_roundps_epi32(_mm512_fmadd_ps(c24, u24, t), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        } else w[c] = _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     }
-    int near;
-#if defined(__AVX512DQ__)
-    __m512 e;  /* vrangeps: 0x0B the larger |operand|, 0x0A the smaller, sign cleared */
-    if (sr) {
-        e = _mm512_range_ps(d[0], d[1], 0x0A);
-        if (nr == 4) e = _mm512_range_ps(e, _mm512_range_ps(d[2], d[3], 0x0A), 0x0A);
-        near = _mm512_cmp_ps_mask(e, _mm512_set1_ps(0x1p-13f), _CMP_LE_OQ) != 0;
-    } else {
-        e = _mm512_range_ps(d[0], d[1], 0x0B);
-        if (nr == 4) e = _mm512_range_ps(e, _mm512_range_ps(d[2], d[3], 0x0B), 0x0B);
-        near = _mm512_cmp_ps_mask(e, _mm512_set1_ps(0.5f - 0x1p-13f), _CMP_GE_OQ) != 0;
-    }
-#else
-    __mmask16 k = 0;
-    for (int c = 0; c < nr; c++) k |= _mm512_cmp_ps_mask(_mm512_abs_ps(d[c]), _mm512_set1_ps(0.5f - 0x1p-13f), _CMP_GE_OQ);
-    near = k != 0;
-#endif
-    if (near)  /* rare: the exact quotients */
-        for (int c = 0; c < nr; c++) {
-            if (sr) w[c] = _mm512_cvt_roundps_epi32(_mm512_add_ps(_mm512_div_ps(x[c], vs), _mm512_mul_ps(c24[c], u24)),
-                                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-            else w[c] = _mm512_cvt_roundps_epi32(_mm512_div_ps(x[c], vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        }
     /* |q| <= qmax + 1 (stochastic; nearest <= qmax): the packs keep it, the clamp follows, then q + off fits a byte */
     __m512i b = _mm512_packs_epi16(_mm512_packs_epi32(w[0], w[1]), _mm512_packs_epi32(w[2], w[3]));
     b = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), b);
@@ -1238,23 +1159,22 @@ TS_INLINE void quant_group_z(const float* restrict v, const int nr, __m512 vy, _
     if (nr == 4) _mm512_storeu_si512(q, b);
     else _mm256_storeu_si256((__m256i*)q, _mm512_castsi512_si256(b));
 }
-/* quant_fast_x on 16 lanes: the same arithmetic per value (the product by fp32(1 / scale), the same distances to
-   the boundaries, the exact quotients for any 64 values with a lane too close); bits and sr constant per body. */
-TS_INLINE int64_t quant_fast_zt(const float* restrict v, int64_t m, float scale, const int bits, const int sr,
+/* quant_fast_x on 16 lanes; bits and sr constant per body. */
+TS_INLINE int64_t quant_fast_zt(const float* restrict v, int64_t m, float r, const int bits, const int sr,
                                 uint32_t bkey, uint8_t* restrict q) {
-    const __m512 vs = _mm512_set1_ps(scale), vy = _mm512_set1_ps(1.f / scale);
+    const __m512 vy = _mm512_set1_ps(r);
     const __m512i key = _mm512_set1_epi32((int)bkey);
     __m512i jg = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                     _mm512_set1_epi32((int)0x9E3779B9u));
     int64_t j = 0;
-    for (; j + 64 <= m; j += 64) quant_group_z(v + j, 4, vy, vs, bits, sr, key, &jg, q + j);
-    if (j + 32 <= m) { quant_group_z(v + j, 2, vy, vs, bits, sr, key, &jg, q + j); j += 32; }
+    for (; j + 64 <= m; j += 64) quant_group_z(v + j, 4, vy, bits, sr, key, &jg, q + j);
+    if (j + 32 <= m) { quant_group_z(v + j, 2, vy, bits, sr, key, &jg, q + j); j += 32; }
     return j;
 }
-static int64_t quant_fast_x16(const float* restrict v, int64_t m, float scale, int bits, int sr, uint32_t bkey,
+static int64_t quant_fast_x16(const float* restrict v, int64_t m, float r, int bits, int sr, uint32_t bkey,
                               uint8_t* restrict q) {
-    if (bits == 8) return sr ? quant_fast_zt(v, m, scale, 8, 1, bkey, q) : quant_fast_zt(v, m, scale, 8, 0, bkey, q);
-    return sr ? quant_fast_zt(v, m, scale, 4, 1, bkey, q) : quant_fast_zt(v, m, scale, 4, 0, bkey, q);
+    if (bits == 8) return sr ? quant_fast_zt(v, m, r, 8, 1, bkey, q) : quant_fast_zt(v, m, r, 8, 0, bkey, q);
+    return sr ? quant_fast_zt(v, m, r, 4, 1, bkey, q) : quant_fast_zt(v, m, r, 4, 0, bkey, q);
 }
 #endif
 /* Block of m fp32 values (rotated already) whose largest |value| has the bits ab: its scale, and q + off as bytes
@@ -1265,26 +1185,29 @@ static float quant_block_x(const float* restrict v, int64_t m, uint32_t ab, int 
     float amax; memcpy(&amax, &ab, 4);
     const float scale = ab >= 0x7f800000u ? NAN : amax / (float)qmax;
     if (!(scale > 0.f)) { memset(q, off, (size_t)m); return scale; }
+    const float up = scale < 0x1p-126f ? 0x1p24f : 1.f, r = 1.f / (scale * up);  /* a subnormal scale lifted */
     int64_t j0 = 0;
 #if TS_AVX512
-    if (scale >= 0x1p-126f) j0 = quant_fast_x16(v, m, scale, bits, sr, bkey, q);
+    if (up == 1.f) j0 = quant_fast_x16(v, m, r, bits, sr, bkey, q);
 #elif defined(__AVX2__)
-    if (scale >= 0x1p-126f) j0 = quant_fast_x(v, m, scale, bits, sr, bkey, q);
+    if (up == 1.f) j0 = quant_fast_x(v, m, r, bits, sr, bkey, q);
 #endif
     if (!sr) {
-        if (scale >= 0x1p-126f) {  /* a normal scale: |v / scale| <= qmax (1 + 2**-23) rounds to at most qmax */
-            for (int64_t j = j0; j < m; j++) q[j] = (uint8_t)((int32_t)rintf(v[j] / scale) + off);
-        } else for (int64_t j = 0; j < m; j++) q[j] = quant1(v[j], scale, qmax, off);
+        for (int64_t j = j0; j < m; j++) {
+            int32_t t = (int32_t)rintf((v[j] * up) * r);
+            t = t > qmax ? qmax : t; t = t < -qmax ? -qmax : t;
+            q[j] = (uint8_t)(t + off);
+        }
         return scale;
     }
     const uint32_t mu = (uint32_t)m;
     for (uint32_t j = (uint32_t)j0; j < mu; j++) {  /* a 32-bit counter, so the hash vectorizes */
         const float u = (float)(int32_t)(ts_mix(bkey ^ (j * 0x9E3779B9u)) >> 8) * 0x1p-24f;
-        const float t = v[j] / scale + u;
-        int32_t r = (int32_t)t;  /* floor by truncation and a correction: vectorizes without SSE4.1 too */
-        r -= (float)r > t;
-        r = r > qmax ? qmax : r; r = r < -qmax ? -qmax : r;
-        q[j] = (uint8_t)(r + off);
+        const float t = (v[j] * up) * r + u;
+        int32_t k = (int32_t)t;  /* floor by truncation and a correction: vectorizes without SSE4.1 too */
+        k -= (float)k > t;
+        k = k > qmax ? qmax : k; k = k < -qmax ? -qmax : k;
+        q[j] = (uint8_t)(k + off);
     }
     return scale;
 }
@@ -1404,22 +1327,20 @@ int ts_encode_x(const void* x, int dt, int64_t n, int64_t k, const int64_t* orde
 #if TS_AVX512
 /* The whole groups of a rotated block (values [0, m - m % 32) from s): dequantized, rotated back in registers and
    stored as out says: 0 through st16 (bf16 rounded by hand, fp16), 1 bf16 by the conversion instruction, 2 fp32,
-   3 added to fp32. bits and out are constants per body, so the loop holds no test of either. int4 dequantizes by a
-   16-entry table of (nibble - 8) * scale (one permutation per 16 values, the same products as the reference's), as
-   the fused decoder does; int8 by conversion and product. Returns the values done. */
+   3 added to fp32. bits and out are constants per body, so the loop holds no test of either. q goes into the
+   butterflies as it is (int4 by a 16-entry table of nibble - 8, one permutation per 16 values; int8 by conversion)
+   and the transform's last product is by fp32(scale * norm). Returns the values done. */
 TS_INLINE int64_t decode_groups_zt(const uint8_t* prow, int64_t s, int64_t m, float scale, const int bits,
                                    const int out, char* ob, int dt) {
-    const __m512 zs = _mm512_set1_ps(scale);
-    const __m512 tab = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_setr_epi32(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3,
-                                                                          4, 5, 6, 7)), zs);
+    const float f = scale * TS_NORM32;
+    const __m512 tab = _mm512_cvtepi32_ps(_mm512_setr_epi32(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7));
     const __m128i m4 = _mm_set1_epi8(15);
     int64_t g = 0;
     for (; g + 32 <= m; g += 32) {
         __m512 r0, r1;
         if (bits == 8) {
-            r0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(prow + s + g)))), zs);
-            r1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(prow + s + g + 16)))),
-                               zs);
+            r0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(prow + s + g))));
+            r1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(prow + s + g + 16))));
         } else {  /* lo: values p, p + 2, ..., hi: p + 1, p + 3, ...; from 16 bytes, or 17 when p is odd */
             const int64_t p = s + g;
             const __m128i b = _mm_loadu_si128((const __m128i*)(prow + p / 2));
@@ -1432,7 +1353,7 @@ TS_INLINE int64_t decode_groups_zt(const uint8_t* prow, int64_t s, int64_t m, fl
             r0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), tab);
             r1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)), tab);
         }
-        fwht_z(&r0, &r1);
+        fwht_z(&r0, &r1, f);
         if (out == 2) { _mm512_storeu_ps((float*)ob + g, r0); _mm512_storeu_ps((float*)ob + g + 16, r1); }
         else if (out == 3) { st16(r0, ob, DT_F32, g, 1); st16(r1, ob, DT_F32, g + 16, 1); }
 #if defined(__AVX512BF16__)
@@ -1462,7 +1383,8 @@ TS_INLINE void st16_bf16_v(ts_v8f a, ts_v8f b, char* o, int64_t i) {
    per pack, a group with a nan goes through st8. Returns the values done. */
 TS_INLINE int64_t decode_groups_vt(const uint8_t* prow, int64_t s, int64_t m, float scale, const int bits,
                                    const int out, char* ob, int dt) {
-    const ts_v8f vs = {scale, scale, scale, scale, scale, scale, scale, scale};
+    const ts_v8f one = {1, 1, 1, 1, 1, 1, 1, 1};  /* q as it is; the transform's last product takes the scale */
+    const float f = scale * TS_NORM32;
     int64_t g = 0;
     for (; g + 32 <= m; g += 32) {
         ts_v8f r[4];
@@ -1473,14 +1395,14 @@ TS_INLINE int64_t decode_groups_vt(const uint8_t* prow, int64_t s, int64_t m, fl
             const __m128i e8 = _mm_set1_epi8(8);
             const __m128i v0 = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), e8);
             const __m128i v1 = _mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), e8);
-            r[0] = (ts_v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0)) * vs;
-            r[1] = (ts_v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8))) * vs;
-            r[2] = (ts_v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1)) * vs;
-            r[3] = (ts_v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8))) * vs;
+            r[0] = (ts_v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0));
+            r[1] = (ts_v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8)));
+            r[2] = (ts_v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1));
+            r[3] = (ts_v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8)));
         } else
 #endif
-        for (int R = 0; R < 4; R++) r[R] = dq8(prow, s + g + 8 * R, bits, vs);
-        fwht_v(r);
+        for (int R = 0; R < 4; R++) r[R] = dq8(prow, s + g + 8 * R, bits, one);
+        fwht_v(r, f);
         if (out == 1) {
             const ts_v8i nan = (r[0] != r[0]) | (r[1] != r[1]) | (r[2] != r[2]) | (r[3] != r[3]);
             ts_v8i none = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -1507,9 +1429,8 @@ static void decode_block_x(const uint8_t* prow, const uint8_t* scrow, int64_t J,
         int out = add ? 3 : dt == DT_F32 ? 2 : 0;
 #if defined(__AVX512BF16__)
         /* bf16 output by the conversion instruction, which rounds like torch but flushes subnormals (a nan keeps
-           its payload, which the format leaves open). No output is subnormal when scale >= 2**-100: every q * scale
-           is a multiple of 2**(e - 23) (e: the scale's exponent), and so is every sum of the butterflies, so a
-           nonzero output is at least 2**(e - 23) * 0.17 >= 2**-126. */
+           its payload, which the format leaves open). No output is subnormal when scale >= 2**-100: a nonzero
+           output is a nonzero integer times fp32(scale * 0.177) >= 2**-103. */
         if (dt == DT_BF16 && !add && scale >= 0x1p-100f) out = 1;
 #endif
         g = bits == 8 ? TS_DEC_GROUPS(decode_groups_zt, 8) : TS_DEC_GROUPS(decode_groups_zt, 4);
@@ -1518,8 +1439,8 @@ static void decode_block_x(const uint8_t* prow, const uint8_t* scrow, int64_t J,
         g = bits == 8 ? TS_DEC_GROUPS(decode_groups_vt, 8) : TS_DEC_GROUPS(decode_groups_vt, 4);
 #else
         for (; g + 32 <= m; g += 32) {
-            dq_values(prow, s + g, 32, bits, scale, v);
-            fwht32(v);
+            dq_values(prow, s + g, 32, bits, 1.f, v);
+            fwht32(v, scale * TS_NORM32);
             store_f32(v, 32, ob + g * es, dt, add);
         }
 #endif

@@ -17,6 +17,8 @@ from .format import (_HASH_GOLD, _HASH_M1, _HASH_M2, _HASH_SALT, _MASK32, _MASK6
 __all__ = ["encode", "decode", "encode_rows", "decode_rows", "wire_views", "fwht", "uniforms", "mix32"]
 
 _NORM = 32 ** -0.5  # rounded to fp32 where it is used, as the kernels' literal is
+_NORMAL_MIN = 2.0 ** -126  # the smallest normal fp32
+_UP = 2.0 ** 24  # lifts a subnormal scale (and its values) into the normal range, exactly
 
 
 def mix32(v):
@@ -45,15 +47,20 @@ def uniforms(seed: int, k: int, nb: int, block: int, device: torch.device) -> Te
     return (mix32(bkey[..., None] ^ jm) >> 8).to(torch.float32) * 2.0 ** -24
 
 
-def fwht(x: Tensor) -> Tensor:
-    """The normalized 32-point Walsh-Hadamard transform of the last axis (32 values), in the format's order: five
-    fp32 butterfly stages, then the product by fp32(32 ** -0.5). Its own inverse."""
+def _butterflies(x: Tensor) -> Tensor:
+    """The five fp32 butterfly stages of the 32-point transform of the last axis, in the format's order."""
     shape = x.shape
     for h in (1, 2, 4, 8, 16):
         v = x.reshape(*shape[:-1], GROUP // (2 * h), 2, h)
         a, b = v[..., 0, :], v[..., 1, :]
         x = torch.stack((a + b, a - b), dim=-2).reshape(shape)
-    return x * torch.tensor(_NORM, dtype=torch.float32, device=x.device)
+    return x
+
+
+def fwht(x: Tensor) -> Tensor:
+    """The normalized 32-point Walsh-Hadamard transform of the last axis (32 values), in the format's order: five
+    fp32 butterfly stages, then the product by fp32(32 ** -0.5). Its own inverse."""
+    return _butterflies(x) * torch.tensor(_NORM, dtype=torch.float32, device=x.device)
 
 
 def _rotate(blocks: Tensor, lens: Tensor) -> Tensor:
@@ -68,6 +75,21 @@ def _rotate(blocks: Tensor, lens: Tensor) -> Tensor:
     return torch.cat((head, blocks[..., G * GROUP:]), dim=2)
 
 
+def _unrotate(q: Tensor, scales: Tensor, lens: Tensor) -> Tensor:
+    """Decoded values of padded blocks of q (k, nb, block; integers as fp32) with their scales (k, nb): each whole
+    32-value group as B(q) * fp32(scale * fp32(32 ** -0.5)), exact butterflies and one rounding; the rest q * scale."""
+    k, nb, block = q.shape
+    G = block // GROUP
+    plain = q * scales[..., None]
+    if G == 0 or nb == 0:
+        return plain
+    factor = scales * torch.tensor(_NORM, dtype=torch.float32, device=q.device)
+    rotated = _butterflies(q[..., :G * GROUP].reshape(k, nb, G, GROUP)) * factor[..., None, None]
+    whole = (torch.arange(1, G + 1, device=q.device) * GROUP)[None, :] <= lens[:, None]
+    head = torch.where(whole[None, :, :, None], rotated, plain[..., :G * GROUP].reshape(k, nb, G, GROUP))
+    return torch.cat((head.reshape(k, nb, G * GROUP), plain[..., G * GROUP:]), dim=2)
+
+
 def _block_lens(block: int, n: int, nb: int, lay: _Layout | None, device: torch.device) -> Tensor:
     """Real length of each of a chunk's nb blocks."""
     if lay is None:
@@ -77,6 +99,13 @@ def _block_lens(block: int, n: int, nb: int, lay: _Layout | None, device: torch.
         return lens
     starts = torch.tensor(lay.starts, dtype=torch.int64, device=device)
     return (starts[1:] - starts[:-1]).repeat(nb // lay.nbr)
+
+
+def _quotients(blocks: Tensor, safe: Tensor) -> Tensor:
+    """The rotated and stochastic formats' ``blocks / scale``: the product by the scale's reciprocal, with a subnormal
+    scale and its block's values first multiplied by 2**24 (exactly) so the reciprocal stays finite."""
+    up = torch.where(safe < _NORMAL_MIN, _UP, 1.0)
+    return (blocks * up[..., None]) * (1.0 / (safe * up))[..., None]
 
 
 @torch.no_grad()
@@ -102,10 +131,11 @@ def encode(bits: int, block: int, rows: Tensor, lay: _Layout | None = None, rota
     scales = torch.where(finite, amax / qmax, torch.full_like(amax, float("nan")))
     # Dividing by 1 in zero blocks gives exact zeros (and no 0/0); scales stay 0 so decoding gives 0 too.
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    t = _quotients(blocks, safe) if rotate or seed is not None else blocks / safe[..., None]
     if seed is None:
-        q = torch.round(blocks / safe[..., None]).clamp_(-qmax, qmax)
+        q = torch.round(t).clamp_(-qmax, qmax)
     else:
-        q = torch.floor(blocks / safe[..., None] + uniforms(seed, k, nb, block, x.device)).clamp_(-qmax, qmax)
+        q = torch.floor(t + uniforms(seed, k, nb, block, x.device)).clamp_(-qmax, qmax)
     q = torch.where(finite[..., None], q, torch.zeros_like(q))
     if lay is not None:  # back from the padded rows to the real columns
         q = q.reshape(-1, lay.nbr * block).index_select(1, place).reshape(k, n)
@@ -138,7 +168,8 @@ def decode(bits: int, block: int, payload: Tensor, scales: Tensor, n: int, lay: 
 
 
 def _decode_rotated(block: int, q: Tensor, scales: Tensor, n: int, lay: _Layout | None) -> Tensor:
-    """decode() of a rotated format: dequantize in padded blocks, rotate the whole groups back, drop the padding."""
+    """decode() of a rotated format: in padded blocks, the whole groups rotated back (``_unrotate``), the padding
+    dropped."""
     k = q.shape[0]
     nb = scales.shape[1]
     if lay is not None:
@@ -146,7 +177,7 @@ def _decode_rotated(block: int, q: Tensor, scales: Tensor, n: int, lay: _Layout 
         padded = torch.nn.functional.pad(q.reshape(-1, lay.U), (0, 1)).index_select(1, gather)
     else:
         padded = torch.nn.functional.pad(q, (0, nb * block - n))
-    values = _rotate(padded.reshape(k, nb, block) * scales[..., None], _block_lens(block, n, nb, lay, q.device))
+    values = _unrotate(padded.reshape(k, nb, block), scales, _block_lens(block, n, nb, lay, q.device))
     if lay is not None:
         return values.reshape(-1, lay.nbr * block).index_select(1, place).reshape(k, n)
     return values.reshape(k, -1)[:, :n]

@@ -565,17 +565,24 @@ def _block_key(seed_lo, seed_hi, i, j):
 
 
 @triton.jit
-def _quantize_x(y, scale, offs, bkey, QMAX: tl.constexpr, SR: tl.constexpr):
-    """q of fp32 values y with their block's scale, as int32: round half to even, or (SR) floor(y / scale + u) with u
-    from the block key and each value's offset in its block; clamped; 0 where the scale is zero or not finite."""
+def _quantize_x(y, scale, offs, bkey, QMAX: tl.constexpr, SR: tl.constexpr, RECIP: tl.constexpr):
+    """q of fp32 values y with their block's scale, as int32: t = y / scale, round half to even, or (SR) floor(t + u)
+    with u from the block key and each value's offset in its block; clamped; 0 where the scale is zero or not
+    finite. RECIP (rotated and stochastic formats): t = y * fp32(1 / scale), a subnormal scale and its values first
+    lifted by 2**24; plain formats divide exactly. Launched without fp fusion, so t is rounded before u is added."""
     ok = scale > 0.0
     safe = tl.where(ok, scale, 1.0)
+    if RECIP:
+        up = tl.where(safe < 1.1754943508222875e-38, 16777216.0, 1.0)  # 2**-126, 2**24
+        t = (y * up) * tl.div_rn(1.0, safe * up)
+    else:
+        t = tl.div_rn(y, safe)
     if SR:
         h = _mix(bkey ^ (offs.to(tl.uint32) * tl.full(offs.shape, 0x9E3779B9, tl.uint32)))
         u = (h >> 8).to(tl.float32) * 5.960464477539063e-08  # 2**-24
-        q = tl.floor(tl.div_rn(y, safe) + u)
+        q = tl.floor(t + u)
     else:
-        q = _rne(tl.div_rn(y, safe))
+        q = _rne(t)
     return tl.where(ok, tl.minimum(tl.maximum(q, -QMAX), QMAX), 0.0).to(tl.int32)
 
 
@@ -589,33 +596,53 @@ def _butterfly(x, G: tl.constexpr, H: tl.constexpr):
 
 
 @triton.jit
+def _butterflies(x, G: tl.constexpr):
+    """The transform's five butterfly stages on [G, 32] values, without the normalization."""
+    r = _butterfly(x, G, 1)
+    r = _butterfly(r, G, 2)
+    r = _butterfly(r, G, 4)
+    r = _butterfly(r, G, 8)
+    return _butterfly(r, G, 16)
+
+
+@triton.jit
 def _rotate_tile(x, t, m, XT: tl.constexpr):
     """Rotate the whole 32-value groups of a tile (values t .. t + XT of a block of m values); the rest unchanged."""
     G: tl.constexpr = XT // 32
     x2 = tl.reshape(x, [G, 32])
-    r = _butterfly(x2, G, 1)
-    r = _butterfly(r, G, 2)
-    r = _butterfly(r, G, 4)
-    r = _butterfly(r, G, 8)
-    r = _butterfly(r, G, 16)
-    r = r * _NORM32
+    r = _butterflies(x2, G) * _NORM32
     whole = t + tl.arange(0, G) * 32 + 32 <= m
     return tl.reshape(tl.where(whole[:, None], r, x2), [XT])
+
+
+@triton.jit
+def _unrotate_tile(q, s, t, m, XT: tl.constexpr):
+    """A decoded tile of q (integers, as fp32) with scale s: whole groups as B(q) * fp32(s * norm) (butterflies on
+    integers are exact), the rest as q * s."""
+    G: tl.constexpr = XT // 32
+    q2 = tl.reshape(q, [G, 32])
+    r = _butterflies(q2, G) * (s * _NORM32)
+    whole = t + tl.arange(0, G) * 32 + 32 <= m
+    return tl.reshape(tl.where(whole[:, None], r, q2 * s), [XT])
 
 
 @triton.jit
 def _rotate_rows(y, m, GB: tl.constexpr, XT: tl.constexpr):
     """``_rotate_tile`` of GB blocks at once: row b of y ([GB, XT]) holds block b's first m[b] values."""
     G: tl.constexpr = XT // 32
-    r = _butterfly(tl.reshape(y, [GB * G, 32]), GB * G, 1)
-    r = _butterfly(r, GB * G, 2)
-    r = _butterfly(r, GB * G, 4)
-    r = _butterfly(r, GB * G, 8)
-    r = _butterfly(r, GB * G, 16)
-    r = r * _NORM32
-    whole = tl.arange(0, G)[None, :] * 32 + 32 <= m[:, None]
-    out = tl.where(whole[:, :, None], tl.reshape(r, [GB, G, 32]), tl.reshape(y, [GB, G, 32]))
-    return tl.reshape(out, [GB, XT])
+    r = tl.reshape(_butterflies(tl.reshape(y, [GB * G, 32]), GB * G), [GB, XT]) * _NORM32
+    whole = (tl.arange(0, XT) // 32 * 32 + 32)[None, :] <= m[:, None]
+    return tl.where(whole, r, y)
+
+
+@triton.jit
+def _unrotate_rows(q, s, m, GB: tl.constexpr, XT: tl.constexpr):
+    """``_unrotate_tile`` of GB blocks at once: row b of q ([GB, XT]) holds block b's first m[b] values, s ([GB, 1])
+    their scales."""
+    G: tl.constexpr = XT // 32
+    r = tl.reshape(_butterflies(tl.reshape(q, [GB * G, 32]), GB * G), [GB, XT]) * (s * _NORM32)
+    whole = (tl.arange(0, XT) // 32 * 32 + 32)[None, :] <= m[:, None]
+    return tl.where(whole, r, q * s)
 
 
 @triton.jit
@@ -656,7 +683,7 @@ def _encode_x(x_ptr, order_ptr, out_ptr, q_ptr, tab_ptr, n, nbr, U, block, W, P4
         y = tl.load(src + start + offs, mask=mask, other=0.0).to(tl.float32)
         if ROTATE:
             y = _rotate_tile(y, t, m, XT)
-        q = _quantize_x(y, scale, offs, bkey, QMAX, SR)
+        q = _quantize_x(y, scale, offs, bkey, QMAX, SR, ROTATE or SR)
         if BITS == 8:
             tl.store(row + start + offs, (q & 0xFF).to(tl.uint8), mask=mask)
         else:
@@ -670,13 +697,12 @@ def _decoded(row, P4, e, mask, j, m, t, BITS: tl.constexpr, ROTATE: tl.constexpr
              GB: tl.constexpr):
     """One wire row's values e, rotated back: an [XT] tile at offset t of block j (GB == 0), or GB blocks at once
     ([GB, XT], j a [GB, 1] column, m their lengths)."""
-    v = _dequant_seg(row, P4, e, mask, j, BITS)
-    if ROTATE:
-        if GB == 0:
-            v = _rotate_tile(v, t, m, XT)
-        else:
-            v = _rotate_rows(v, m, GB, XT)
-    return v
+    if not ROTATE:
+        return _dequant_seg(row, P4, e, mask, j, BITS)
+    q, s = _unpack(row, e, mask, BITS), _load_scale(row, P4, j)
+    if GB == 0:
+        return _unrotate_tile(q, s, t, m, XT)
+    return _unrotate_rows(q, s, m, GB, XT)
 
 
 @triton.jit
@@ -723,7 +749,7 @@ def _encode_xg(x_ptr, order_ptr, out_ptr, q_ptr, tab_ptr, n, nbr, U, block, W, P
     bad = tl.max(tl.where(mask & ~(a <= _FLT_MAX), 1, 0), axis=1) > 0
     scale = _block_scale(amax, bad, QMAX)
     bkey = _block_key(seed_lo, seed_hi, i, j)[:, None] if SR else 0
-    q = _quantize_x(y, scale[:, None], offs[None, :], bkey, QMAX, SR)
+    q = _quantize_x(y, scale[:, None], offs[None, :], bkey, QMAX, SR, ROTATE or SR)
     e = start[:, None] + offs[None, :]
     if BITS == 8:
         tl.store(row + e, (q & 0xFF).to(tl.uint8), mask=mask)
