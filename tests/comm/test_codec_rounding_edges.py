@@ -1,6 +1,7 @@
 """The C kernels of the rotated and stochastic formats against the reference on values built to sit next to a
-rounding boundary, where a quotient taken as ``v * (1 / scale)`` rounds the other way than ``v / scale``: the
-kernels must still give the reference's bits (format.py: ``q`` uses the fp32 division)."""
+rounding boundary, where the exact quotient ``v / scale`` rounds the other way than the format's product
+``fp32(v * fp32(1 / scale))`` (format.py: "Quantizing by the reciprocal"), and where a multiply-add fused with the
+stochastic ``+ u`` would too: the kernels must give the reference's bits."""
 from __future__ import annotations
 
 import pytest

@@ -57,8 +57,10 @@ consecutive values from its first value; every whole group is replaced by its no
 short block: the end of a chunk, or of a segment of a row layout) are left as they are. The transform runs in fp32
 as five butterfly stages ``h = 1, 2, 4, 8, 16``: values ``p`` and ``p + h`` (``p & h == 0``) become ``a + b`` and
 ``a - b``; the product by ``fp32(32 ** -0.5)`` comes last. The scale is taken AFTER the rotation
-(``absmax(y) / qmax``), the payload holds ``q(y)``, and decoding computes ``y_hat = q * scale`` in fp32, applies the
-same transform to each whole group (it is its own inverse) and then casts to the output dtype. Because the transform
+(``absmax(y) / qmax``), the payload holds ``q(y)``, and decoding applies the same transform to each whole group of
+``q * scale`` (it is its own inverse) in one rounding: the five stages on ``q`` itself (integers, so exact) and then
+the product by ``fp32(scale * fp32(32 ** -0.5))``; the tail decodes as ``q * scale``; then the cast to the output
+dtype. Because the transform
 is orthogonal, a block's L2 error is that of its rotated values: ``||x - x_hat||_2 <= sqrt(m) * scale / 2`` (plus
 fp32 rounding), with ``scale = absmax(H x) / qmax``; per element the half-step bound of the unrotated format no
 longer holds (an element may receive up to ``sqrt(32) * scale / 2``).
