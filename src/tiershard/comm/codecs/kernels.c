@@ -798,8 +798,8 @@ int ts_decode_seg(const uint8_t* pay, int64_t pstride, const uint8_t* sc, int64_
    with a row layout (bs as above). Each block's whole 32-value groups are loaded into four 8-lane registers, rotated
    there and stored to an fp32 buffer with their absmax taken on the way (the rest of the block is copied as it is;
    up to 8 blocks a batch), then its scale is taken and its values quantized 32 at a time by the product with the
-   scale's reciprocal (nearest, or floor(t + u) with u from the counter hash, sixteen hashes per vector). Decoding dequantizes each group into registers, rotates it
-   and stores it. Work units start on even values (flat: group_blocks; layouts: whole rows, an even number when U is
+   scale's reciprocal (nearest, or floor(t + u) with u from the counter hash, sixteen hashes per vector). Decoding
+   takes each group's q into registers, rotates it, multiplies it by its scale and stores it. Work units start on even values (flat: group_blocks; layouts: whole rows, an even number when U is
    odd), so int4 bytes are staged one value a byte per unit and packed without two threads sharing a byte. */
 #define TS_NORM32 0.17677669529663687f  /* fp32(32 ** -0.5) */
 /* The counter hash's steps, for a uint32_t or a vector of them (GCC/clang vector types take the same operators). */
