@@ -1,7 +1,8 @@
 """Triton kernels for the codecs' wire API on CUDA tensors (format: ``format.py``); importing this needs ``triton``.
 
 Same arithmetic as the CPU kernels and the torch reference, so all three give the same bits: IEEE division
-(``tl.div_rn``; a plain ``/`` is an approximate division on NVIDIA GPUs), round half to even (adding and
+(``tl.div_rn``; a plain ``/`` is an approximate division on NVIDIA GPUs) per value for the plain formats and once per
+block, for the scale's reciprocal, for the rotated and stochastic ones, round half to even (adding and
 subtracting 1.5 * 2**23, exact for |y| < 2**22, and |x / scale| <= 2 * qmax here), fp32 multiply, and kernels
 launched with ``enable_fp_fusion=False`` so no multiply-add is contracted into an FMA (that would change the
 rounding of decode_wire_sum); bf16 outputs are rounded to nearest even by integer arithmetic, as torch does.
