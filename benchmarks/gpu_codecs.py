@@ -4,6 +4,7 @@ Run on a machine with a CUDA GPU and ``triton`` (``pip install tiershard[gpu]``)
 
     python benchmarks/gpu_codecs.py                  # bit check, then throughput at 1M, 16M and 64M values
     python benchmarks/gpu_codecs.py --no-bench       # the bit check alone (exits 1 on any difference)
+    python benchmarks/gpu_codecs.py --no-bench --tune  # the bit check, then the grouped kernels' launch shapes
 
 **Bits.** Every codec the plans use (int8 and int4 at several block sizes, rotated ``:h`` and stochastic ``:sr``,
 flat and with row layouts, fp32, bf16 and fp16 input, odd sizes, nan and inf) is encoded, decoded and summed
@@ -166,11 +167,58 @@ def bench(device: torch.device, sizes: list[int], reps: int) -> None:
                           + f" {100 * copy[1] / sum(alone):>3.0f}%", flush=True)
 
 
+TUNE_VALUES = (256, 512, 1024, 2048, 4096)
+TUNE_WARPS = (1, 2, 4, 8)
+
+
+def tune(device: torch.device, sizes: list[int]) -> int:
+    """Device e+d of qgZ's two codecs (flat and aligned rows) under every launch shape of the grouped kernels
+    (``triton_kernels.X_VALUES_PER_PROGRAM`` x ``X_WARPS``), each shape's bits checked against the CPU's first;
+    returns the number of shapes whose bits differ."""
+    from tiershard.comm.codecs import triton_kernels as tk
+    default = (tk.X_VALUES_PER_PROGRAM, tk.X_WARPS)
+    codecs = (codec_from_spec("int8:128:h"), codec_from_spec("int4:128:h:sr"))
+    print(f"grouped kernels' launch shapes (default {default[0]} values x {default[1]} warps): device e+d / memcpy")
+    print(f"{'values':>9} {'dtype':>8} {'codec':>13} {'layout':>6} " + " ".join(
+        f"{v:>5}x{w}" for v in TUNE_VALUES for w in TUNE_WARPS), flush=True)
+    g = torch.Generator().manual_seed(1)
+    differ = 0
+    for n in sizes:
+        n = n // (2 * K) * (2 * K)
+        chunk = n // K
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(n, device=device).to(dtype)
+            y, out = torch.empty_like(x), torch.empty_like(x)
+            copy = _graph_ms(lambda: y.copy_(x))
+            small = _input(3, 2 * 50_000, dtype, g)
+            for codec in codecs:
+                seed = 7 if codec.stochastic else None
+                for layout in ("flat", "rows16"):
+                    segments = None if layout == "flat" else _row_layout(chunk // 2, 16)
+                    wire = torch.empty(K * codec.wire_bytes(chunk, segments), dtype=torch.uint8, device=device)
+                    cells = []
+                    for values in TUNE_VALUES:
+                        for warps in TUNE_WARPS:
+                            tk.X_VALUES_PER_PROGRAM, tk.X_WARPS = values, warps
+                            cpu = codec.encode_wire(small, 3, seed=seed)
+                            same = torch.equal(codec.encode_wire(small.to(device), 3, seed=seed).cpu(), cpu) and \
+                                same_bits(codec.decode_wire(cpu.to(device), 3, 2 * 50_000).cpu(),
+                                          codec.decode_wire(cpu, 3, 2 * 50_000))
+                            enc = _graph_ms(lambda: codec.encode_wire(x, K, wire, None, segments, seed=seed))
+                            dec = _graph_ms(lambda: codec.decode_wire(wire, K, chunk, out, segments=segments))
+                            cells.append(f"{100 * copy / (enc + dec):>6.0f}%" if same else f"{'BITS':>7}")
+                            differ += not same
+                    print(f"{n:>9} {str(dtype)[6:]:>8} {codec.spec:>13} {layout:>6} " + " ".join(cells), flush=True)
+    tk.X_VALUES_PER_PROGRAM, tk.X_WARPS = default
+    return differ
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", type=int, default=[1 << 20, 1 << 24, 1 << 26])
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="time the grouped kernels' launch shapes (1M values)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
@@ -181,6 +229,8 @@ def main() -> int:
     failures = check_bits(device)
     if not args.no_bench:
         bench(device, args.sizes, args.reps)
+    if args.tune:
+        failures += tune(device, [1 << 20])
     return 1 if failures or "triton" not in status["cuda"] else 0
 
 

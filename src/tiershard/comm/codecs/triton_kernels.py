@@ -22,7 +22,8 @@ whose blocks fit one tile are encoded, and decoded from row layouts, by the gene
 (``_grouped``), so the per-block kernels serve blocks of more than ``_TILE`` values. Rotated and
 stochastic codecs take one general path (``encode_wire_x``, ``decode_wire_x``), flat or with a row layout, parallel
 to the C kernels' ``ts_encode_x`` / ``ts_decode_x``: blocks of up to _TILE values go GB to a program as one [GB, XT]
-tile (``_encode_xg`` / ``_decode_xg``: one program per block of 128 values was too little work for a GPU), larger
+tile of ``X_VALUES_PER_PROGRAM`` values (``_encode_xg`` / ``_decode_xg``: one program per block of 128 values was too
+little work for a GPU), larger
 ones one program per (block, chunk) looping over the block in tiles; either way whole 32-value groups are rotated in
 registers (butterflies by reshape, split and join, in the format's order).
 """
@@ -58,6 +59,11 @@ _FUSED_MAX = 4096   # values per block that one program encodes in registers
 _SCALE_TILE = 1024  # values per step when a scale program loops over a large block
 _TILE = 1024        # values per decode / quantize program
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)  # read inside kernels: globals there must be constexpr
+# Launch shape of the grouped kernels (``_encode_xg``, ``_decode_xg``: every rotated and stochastic default): values
+# per program (a power of two) and warps per program. They change no bits; ``benchmarks/gpu_codecs.py --tune``
+# times the alternatives on a GPU. Set them before the first call of a process (each shape compiles once).
+X_VALUES_PER_PROGRAM = _TILE
+X_WARPS = 4
 
 
 @triton.jit
@@ -818,8 +824,9 @@ def _x_tile(codec: Codec) -> int:
 
 
 def _x_group(codec: Codec) -> int:
-    """Blocks per program of the grouped kernels (about _TILE values), or 0 when a block needs several tiles."""
-    return _TILE // _x_tile(codec) if codec.block <= _TILE else 0
+    """Blocks per program of the grouped kernels (about X_VALUES_PER_PROGRAM values, at least one block), or 0 when
+    a block needs several tiles."""
+    return max(1, X_VALUES_PER_PROGRAM // _x_tile(codec)) if codec.block <= _TILE else 0
 
 
 def encode_wire_x(codec: Codec, x: Tensor, k: int, n: int, out: Tensor, order: Tensor | None, layout,
@@ -847,7 +854,8 @@ def encode_wire_x(codec: Codec, x: Tensor, k: int, n: int, out: Tensor, order: T
         _encode_xg[(triton.cdiv(nbt, GB), k)](x, order_arg, out, staged, tab, n, nbr, U, codec.block, W, P4, nbt,
                                               key & 0xFFFFFFFF, key >> 32, HAS_ORDER=has_order, SEG=seg,
                                               BITS=codec.bits, ROTATE=codec.rotate, SR=seed is not None, XT=XT,
-                                              GB=GB, PACK=pack, ALIGN=align, enable_fp_fusion=False)
+                                              GB=GB, PACK=pack, ALIGN=align, enable_fp_fusion=False,
+                                              num_warps=X_WARPS)
     else:
         _encode_x[(nbt, k)](x, order_arg, out, staged, tab, n, nbr, U, codec.block, W, P4, key & 0xFFFFFFFF,
                             key >> 32, HAS_ORDER=has_order, SEG=seg, BITS=codec.bits, ROTATE=codec.rotate,
@@ -875,7 +883,7 @@ def decode_wire_x(codec: Codec, wire: Tensor, k: int, n: int, out: Tensor, layou
         _decode_xg[(blocks,) if sum_rows else (blocks, k)](wire, out, tab, k, n, nbr, U, codec.block, P4 + 4 * nbt,
                                                             P4, nbt, SEG=seg, BITS=codec.bits, ROTATE=codec.rotate,
                                                             SUM=sum_rows, XT=XT, GB=GB, ALIGN=align,
-                                                            enable_fp_fusion=False)
+                                                            enable_fp_fusion=False, num_warps=X_WARPS)
         return
     grid = (nbt,) if sum_rows else (nbt, k)
     _decode_x[grid](wire, out, tab, k, n, nbr, U, codec.block, P4 + 4 * nbt, P4, SEG=seg, BITS=codec.bits,
