@@ -61,7 +61,7 @@ _TILE = 1024        # values per decode / quantize program
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)  # read inside kernels: globals there must be constexpr
 # Launch shape of the grouped kernels (``_encode_xg``, ``_decode_xg``: every rotated and stochastic default): values
 # per program (a power of two) and warps per program. They change no bits; ``benchmarks/gpu_codecs.py --tune``
-# times the alternatives on a GPU. Set them before the first call of a process (each shape compiles once).
+# times the alternatives on a GPU (each shape compiles on its first launch).
 X_VALUES_PER_PROGRAM = _TILE
 X_WARPS = 4
 
