@@ -167,8 +167,8 @@ def bench(device: torch.device, sizes: list[int], reps: int) -> None:
                           + f" {100 * copy[1] / sum(alone):>3.0f}%", flush=True)
 
 
-TUNE_VALUES = (256, 512, 1024, 2048, 4096)
-TUNE_WARPS = (1, 2, 4, 8)
+TUNE_VALUES = (512, 1024, 2048, 4096)
+TUNE_WARPS = (2, 4, 8)
 
 
 def tune(device: torch.device, sizes: list[int]) -> int:
