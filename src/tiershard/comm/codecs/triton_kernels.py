@@ -613,43 +613,25 @@ def _butterflies(x, G: tl.constexpr):
 
 
 @triton.jit
-def _rotate_tile(x, t, m, XT: tl.constexpr):
-    """Rotate the whole 32-value groups of a tile (values t .. t + XT of a block of m values); the rest unchanged."""
+def _rotate_tile(x, s, t, m, XT: tl.constexpr):
+    """The whole 32-value groups of a tile (values t .. t + XT of a block of m values) as B(x) * fp32(s * norm), the
+    rest as x * s: rotating takes s = 1 (both products exact), decoding takes q (integers as fp32, so the butterflies
+    are exact) and its block's scale."""
     G: tl.constexpr = XT // 32
     x2 = tl.reshape(x, [G, 32])
-    r = _butterflies(x2, G) * _NORM32
+    r = _butterflies(x2, G) * (s * _NORM32)
     whole = t + tl.arange(0, G) * 32 + 32 <= m
-    return tl.reshape(tl.where(whole[:, None], r, x2), [XT])
+    return tl.reshape(tl.where(whole[:, None], r, x2 * s), [XT])
 
 
 @triton.jit
-def _unrotate_tile(q, s, t, m, XT: tl.constexpr):
-    """A decoded tile of q (integers, as fp32) with scale s: whole groups as B(q) * fp32(s * norm) (butterflies on
-    integers are exact), the rest as q * s."""
+def _rotate_rows(y, s, m, GB: tl.constexpr, XT: tl.constexpr):
+    """``_rotate_tile`` of GB blocks at once: row b of y ([GB, XT]) holds block b's first m[b] values, s is 1 or their
+    scales ([GB, 1])."""
     G: tl.constexpr = XT // 32
-    q2 = tl.reshape(q, [G, 32])
-    r = _butterflies(q2, G) * (s * _NORM32)
-    whole = t + tl.arange(0, G) * 32 + 32 <= m
-    return tl.reshape(tl.where(whole[:, None], r, q2 * s), [XT])
-
-
-@triton.jit
-def _rotate_rows(y, m, GB: tl.constexpr, XT: tl.constexpr):
-    """``_rotate_tile`` of GB blocks at once: row b of y ([GB, XT]) holds block b's first m[b] values."""
-    G: tl.constexpr = XT // 32
-    r = tl.reshape(_butterflies(tl.reshape(y, [GB * G, 32]), GB * G), [GB, XT]) * _NORM32
+    r = tl.reshape(_butterflies(tl.reshape(y, [GB * G, 32]), GB * G), [GB, XT]) * (s * _NORM32)
     whole = (tl.arange(0, XT) // 32 * 32 + 32)[None, :] <= m[:, None]
-    return tl.where(whole, r, y)
-
-
-@triton.jit
-def _unrotate_rows(q, s, m, GB: tl.constexpr, XT: tl.constexpr):
-    """``_unrotate_tile`` of GB blocks at once: row b of q ([GB, XT]) holds block b's first m[b] values, s ([GB, 1])
-    their scales."""
-    G: tl.constexpr = XT // 32
-    r = tl.reshape(_butterflies(tl.reshape(q, [GB * G, 32]), GB * G), [GB, XT]) * (s * _NORM32)
-    whole = (tl.arange(0, XT) // 32 * 32 + 32)[None, :] <= m[:, None]
-    return tl.where(whole, r, q * s)
+    return tl.where(whole, r, y * s)
 
 
 @triton.jit
@@ -678,7 +660,7 @@ def _encode_x(x_ptr, order_ptr, out_ptr, q_ptr, tab_ptr, n, nbr, U, block, W, P4
         mask = offs < m
         y = tl.load(src + start + offs, mask=mask, other=0.0).to(tl.float32)
         if ROTATE:
-            y = _rotate_tile(y, t, m, XT)
+            y = _rotate_tile(y, 1.0, t, m, XT)
         a = tl.abs(y)
         amax = tl.maximum(amax, tl.where(mask, a, 0.0))
         bad = bad + tl.where(mask & ~(a <= _FLT_MAX), 1, 0)
@@ -689,7 +671,7 @@ def _encode_x(x_ptr, order_ptr, out_ptr, q_ptr, tab_ptr, n, nbr, U, block, W, P4
         mask = offs < m
         y = tl.load(src + start + offs, mask=mask, other=0.0).to(tl.float32)
         if ROTATE:
-            y = _rotate_tile(y, t, m, XT)
+            y = _rotate_tile(y, 1.0, t, m, XT)
         q = _quantize_x(y, scale, offs, bkey, QMAX, SR, ROTATE or SR)
         if BITS == 8:
             tl.store(row + start + offs, (q & 0xFF).to(tl.uint8), mask=mask)
@@ -708,8 +690,8 @@ def _decoded(row, P4, e, mask, j, m, t, BITS: tl.constexpr, ROTATE: tl.constexpr
         return _dequant_seg(row, P4, e, mask, j, BITS)
     q, s = _unpack(row, e, mask, BITS), _load_scale(row, P4, j)
     if GB == 0:
-        return _unrotate_tile(q, s, t, m, XT)
-    return _unrotate_rows(q, s, m, GB, XT)
+        return _rotate_tile(q, s, t, m, XT)
+    return _rotate_rows(q, s, m, GB, XT)
 
 
 @triton.jit
@@ -750,7 +732,7 @@ def _encode_xg(x_ptr, order_ptr, out_ptr, q_ptr, tab_ptr, n, nbr, U, block, W, P
     mask = offs[None, :] < m[:, None]
     y = tl.load(src + start[:, None] + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     if ROTATE:
-        y = _rotate_rows(y, m, GB, XT)
+        y = _rotate_rows(y, 1.0, m, GB, XT)
     a = tl.abs(y)
     amax = tl.max(tl.where(mask, a, 0.0), axis=1)
     bad = tl.max(tl.where(mask & ~(a <= _FLT_MAX), 1, 0), axis=1) > 0
