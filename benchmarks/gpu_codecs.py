@@ -132,6 +132,22 @@ def _graph_ms(fn, calls: int = 20, replays: int = 5) -> float:
     return start.elapsed_time(end) / (calls * replays)
 
 
+def _inputs(device: torch.device, sizes: list[int]):
+    """(n, chunk, x, y, out) per size (rounded to whole chunks of even length) and input dtype: x random on the
+    device, y and out its size."""
+    for n in sizes:
+        n = n // (2 * K) * (2 * K)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(n, device=device).to(dtype)
+            yield n, n // K, x, torch.empty_like(x), torch.empty_like(x)
+
+
+def _wire(codec, chunk: int, layout: str, device: torch.device):
+    """(segments, wire buffer) of K chunks: ``flat``, ``rows`` (odd widths) or ``rows16`` (widths multiples of 16)."""
+    segments = None if layout == "flat" else _row_layout(chunk // 2, 16 if layout == "rows16" else 1)
+    return segments, torch.empty(K * codec.wire_bytes(chunk, segments), dtype=torch.uint8, device=device)
+
+
 def bench(device: torch.device, sizes: list[int], reps: int) -> None:
     codecs = (INT8, INT4, codec_from_spec("int8:128:h"), codec_from_spec("int4:128:h:sr"))
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}; {kernel_status()['cuda']}")
@@ -141,30 +157,25 @@ def bench(device: torch.device, sizes: list[int], reps: int) -> None:
               f"{'decode':>6} {'sum':>6} {'e+d':>4} | call us: {'memcpy':>6} {'encode':>6} {'decode':>6} {'e+d':>4}")
     print(header)
     print("-" * len(header), flush=True)
-    for n in sizes:
-        n = n // (2 * K) * (2 * K)
-        chunk = n // K
-        for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(n, device=device).to(dtype)
-            y, out = torch.empty_like(x), torch.empty_like(x)
-            total = torch.empty(chunk, device=device)
-            order = list(range(K))[::-1]
-            copy = (_graph_ms(lambda: y.copy_(x)), _median_ms(lambda: y.copy_(x), reps))
-            for codec in codecs:
-                for layout in ("flat", "rows", "rows16"):
-                    segments = None if layout == "flat" else _row_layout(chunk // 2, 16 if layout == "rows16" else 1)
-                    seed = 7 if codec.stochastic else None
-                    wire = torch.empty(K * codec.wire_bytes(chunk, segments), dtype=torch.uint8, device=device)
-                    calls = (lambda: codec.encode_wire(x, K, wire, order, segments, seed=seed),
-                             lambda: codec.decode_wire(wire, K, chunk, out, segments=segments),
-                             lambda: codec.decode_wire_sum(wire, K, chunk, total, segments=segments))
-                    dev = [_graph_ms(fn) for fn in calls]
-                    alone = [_median_ms(fn, reps) for fn in calls[:2]]
-                    gbs = [n * dtype.itemsize / (ms * 1e6) for ms in (copy[0], *dev)]
-                    print(f"{n:>9} {str(dtype)[6:]:>8} {codec.spec:>13} {layout:>6} | {'':>12} "
-                          + " ".join(f"{v:>6.0f}" for v in gbs) + f" {100 * copy[0] / (dev[0] + dev[1]):>3.0f}%"
-                          + f" | {'':>8} " + " ".join(f"{1000 * ms:>6.1f}" for ms in (copy[1], *alone))
-                          + f" {100 * copy[1] / sum(alone):>3.0f}%", flush=True)
+    for n, chunk, x, y, out in _inputs(device, sizes):
+        dtype = x.dtype
+        total = torch.empty(chunk, device=device)
+        order = list(range(K))[::-1]
+        copy = (_graph_ms(lambda: y.copy_(x)), _median_ms(lambda: y.copy_(x), reps))
+        for codec in codecs:
+            for layout in ("flat", "rows", "rows16"):
+                segments, wire = _wire(codec, chunk, layout, device)
+                seed = 7 if codec.stochastic else None
+                calls = (lambda: codec.encode_wire(x, K, wire, order, segments, seed=seed),
+                         lambda: codec.decode_wire(wire, K, chunk, out, segments=segments),
+                         lambda: codec.decode_wire_sum(wire, K, chunk, total, segments=segments))
+                dev = [_graph_ms(fn) for fn in calls]
+                alone = [_median_ms(fn, reps) for fn in calls[:2]]
+                gbs = [n * dtype.itemsize / (ms * 1e6) for ms in (copy[0], *dev)]
+                print(f"{n:>9} {str(dtype)[6:]:>8} {codec.spec:>13} {layout:>6} | {'':>12} "
+                      + " ".join(f"{v:>6.0f}" for v in gbs) + f" {100 * copy[0] / (dev[0] + dev[1]):>3.0f}%"
+                      + f" | {'':>8} " + " ".join(f"{1000 * ms:>6.1f}" for ms in (copy[1], *alone))
+                      + f" {100 * copy[1] / sum(alone):>3.0f}%", flush=True)
 
 
 TUNE_VALUES = (512, 1024, 2048, 4096)
@@ -183,32 +194,27 @@ def tune(device: torch.device, sizes: list[int]) -> int:
         f"{v:>5}x{w}" for v in TUNE_VALUES for w in TUNE_WARPS), flush=True)
     g = torch.Generator().manual_seed(1)
     differ = 0
-    for n in sizes:
-        n = n // (2 * K) * (2 * K)
-        chunk = n // K
-        for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(n, device=device).to(dtype)
-            y, out = torch.empty_like(x), torch.empty_like(x)
-            copy = _graph_ms(lambda: y.copy_(x))
-            small = _input(3, 2 * 50_000, dtype, g)
-            for codec in codecs:
-                seed = 7 if codec.stochastic else None
-                for layout in ("flat", "rows16"):
-                    segments = None if layout == "flat" else _row_layout(chunk // 2, 16)
-                    wire = torch.empty(K * codec.wire_bytes(chunk, segments), dtype=torch.uint8, device=device)
-                    cells = []
-                    for values in TUNE_VALUES:
-                        for warps in TUNE_WARPS:
-                            tk.X_VALUES_PER_PROGRAM, tk.X_WARPS = values, warps
-                            cpu = codec.encode_wire(small, 3, seed=seed)
-                            same = torch.equal(codec.encode_wire(small.to(device), 3, seed=seed).cpu(), cpu) and \
-                                same_bits(codec.decode_wire(cpu.to(device), 3, 2 * 50_000).cpu(),
-                                          codec.decode_wire(cpu, 3, 2 * 50_000))
-                            enc = _graph_ms(lambda: codec.encode_wire(x, K, wire, None, segments, seed=seed))
-                            dec = _graph_ms(lambda: codec.decode_wire(wire, K, chunk, out, segments=segments))
-                            cells.append(f"{100 * copy / (enc + dec):>6.0f}%" if same else f"{'BITS':>7}")
-                            differ += not same
-                    print(f"{n:>9} {str(dtype)[6:]:>8} {codec.spec:>13} {layout:>6} " + " ".join(cells), flush=True)
+    for n, chunk, x, y, out in _inputs(device, sizes):
+        dtype = x.dtype
+        copy = _graph_ms(lambda: y.copy_(x))
+        small = _input(3, 2 * 50_000, dtype, g)
+        for codec in codecs:
+            seed = 7 if codec.stochastic else None
+            cpu = codec.encode_wire(small, 3, seed=seed)  # the shapes' bit check: the CPU's wire and values
+            ref = codec.decode_wire(cpu, 3, 2 * 50_000)
+            for layout in ("flat", "rows16"):
+                segments, wire = _wire(codec, chunk, layout, device)
+                cells = []
+                for values in TUNE_VALUES:
+                    for warps in TUNE_WARPS:
+                        tk.X_VALUES_PER_PROGRAM, tk.X_WARPS = values, warps
+                        same = torch.equal(codec.encode_wire(small.to(device), 3, seed=seed).cpu(), cpu) and \
+                            same_bits(codec.decode_wire(cpu.to(device), 3, 2 * 50_000).cpu(), ref)
+                        enc = _graph_ms(lambda: codec.encode_wire(x, K, wire, None, segments, seed=seed))
+                        dec = _graph_ms(lambda: codec.decode_wire(wire, K, chunk, out, segments=segments))
+                        cells.append(f"{100 * copy / (enc + dec):>6.0f}%" if same else f"{'BITS':>7}")
+                        differ += not same
+                print(f"{n:>9} {str(dtype)[6:]:>8} {codec.spec:>13} {layout:>6} " + " ".join(cells), flush=True)
     tk.X_VALUES_PER_PROGRAM, tk.X_WARPS = default
     return differ
 
