@@ -63,29 +63,19 @@ def fwht(x: Tensor) -> Tensor:
     return _butterflies(x) * torch.tensor(_NORM, dtype=torch.float32, device=x.device)
 
 
-def _rotate(blocks: Tensor, lens: Tensor) -> Tensor:
-    """Rotate the whole 32-value groups of each padded block (k, nb, block) whose real length is ``lens`` (nb)."""
-    k, nb, block = blocks.shape
+def _rotate(x: Tensor, scales: Tensor, lens: Tensor) -> Tensor:
+    """Padded blocks x (k, nb, block) whose real lengths are ``lens`` (nb), each whole 32-value group as
+    B(x) * fp32(s * fp32(32 ** -0.5)) with its block's s from ``scales`` (k, nb), the rest as x * s: rotating takes
+    s = 1 (both products exact, B(x) * norm is ``fwht``), decoding takes q (integers as fp32, so the butterflies are
+    exact) and the block scales."""
+    k, nb, block = x.shape
     G = block // GROUP
-    if G == 0 or nb == 0:
-        return blocks
-    head = blocks[..., :G * GROUP].reshape(k, nb, G, GROUP)
-    whole = (torch.arange(1, G + 1, device=blocks.device) * GROUP)[None, :] <= lens[:, None]
-    head = torch.where(whole[None, :, :, None], fwht(head), head).reshape(k, nb, G * GROUP)
-    return torch.cat((head, blocks[..., G * GROUP:]), dim=2)
-
-
-def _unrotate(q: Tensor, scales: Tensor, lens: Tensor) -> Tensor:
-    """Decoded values of padded blocks of q (k, nb, block; integers as fp32) with their scales (k, nb): each whole
-    32-value group as B(q) * fp32(scale * fp32(32 ** -0.5)), exact butterflies and one rounding; the rest q * scale."""
-    k, nb, block = q.shape
-    G = block // GROUP
-    plain = q * scales[..., None]
+    plain = x * scales[..., None]
     if G == 0 or nb == 0:
         return plain
-    factor = scales * torch.tensor(_NORM, dtype=torch.float32, device=q.device)
-    rotated = _butterflies(q[..., :G * GROUP].reshape(k, nb, G, GROUP)) * factor[..., None, None]
-    whole = (torch.arange(1, G + 1, device=q.device) * GROUP)[None, :] <= lens[:, None]
+    factor = scales * torch.tensor(_NORM, dtype=torch.float32, device=x.device)
+    rotated = _butterflies(x[..., :G * GROUP].reshape(k, nb, G, GROUP)) * factor[..., None, None]
+    whole = (torch.arange(1, G + 1, device=x.device) * GROUP)[None, :] <= lens[:, None]
     head = torch.where(whole[None, :, :, None], rotated, plain[..., :G * GROUP].reshape(k, nb, G, GROUP))
     return torch.cat((head.reshape(k, nb, G * GROUP), plain[..., G * GROUP:]), dim=2)
 
@@ -125,7 +115,7 @@ def encode(bits: int, block: int, rows: Tensor, lay: _Layout | None = None, rota
         x = torch.nn.functional.pad(x, (0, nb * block - n))
     blocks = x.reshape(k, nb, block)
     if rotate:
-        blocks = _rotate(blocks, _block_lens(block, n, nb, lay, x.device))
+        blocks = _rotate(blocks, blocks.new_ones(k, nb), _block_lens(block, n, nb, lay, x.device))
     amax = blocks.abs().amax(dim=2)  # propagates nan, and inf stays inf
     finite = torch.isfinite(amax)
     scales = torch.where(finite, amax / qmax, torch.full_like(amax, float("nan")))
@@ -168,8 +158,8 @@ def decode(bits: int, block: int, payload: Tensor, scales: Tensor, n: int, lay: 
 
 
 def _decode_rotated(block: int, q: Tensor, scales: Tensor, n: int, lay: _Layout | None) -> Tensor:
-    """decode() of a rotated format: in padded blocks, the whole groups rotated back (``_unrotate``), the padding
-    dropped."""
+    """decode() of a rotated format: in padded blocks, the whole groups rotated back (``_rotate`` with the block
+    scales), the padding dropped."""
     k = q.shape[0]
     nb = scales.shape[1]
     if lay is not None:
@@ -177,7 +167,7 @@ def _decode_rotated(block: int, q: Tensor, scales: Tensor, n: int, lay: _Layout 
         padded = torch.nn.functional.pad(q.reshape(-1, lay.U), (0, 1)).index_select(1, gather)
     else:
         padded = torch.nn.functional.pad(q, (0, nb * block - n))
-    values = _unrotate(padded.reshape(k, nb, block), scales, _block_lens(block, n, nb, lay, q.device))
+    values = _rotate(padded.reshape(k, nb, block), scales, _block_lens(block, n, nb, lay, q.device))
     if lay is not None:
         return values.reshape(-1, lay.nbr * block).index_select(1, place).reshape(k, n)
     return values.reshape(k, -1)[:, :n]
