@@ -70,8 +70,8 @@ def main() -> None:
             for spec in args.codecs:
                 for dtype in args.dtypes:
                     r = measure(codec_from_spec(spec), 1 << 20, getattr(torch, dtype), args.reps)["flat"]
-                    best = rows.setdefault((name, spec, dtype), [r["memcpy"], r["encode"], r["decode"]])
-                    rows[name, spec, dtype] = [min(a, b) for a, b in zip(best, (r["memcpy"], r["encode"], r["decode"]))]
+                    times, key = [r["memcpy"], r["encode"], r["decode"]], (name, spec, dtype)
+                    rows[key] = [min(a, b) for a, b in zip(rows.get(key, times), times)]  # best of the rounds
     backends._cpu_state = None
     for (name, spec, dtype), (copy, enc, dec) in rows.items():
         print(f"{name:22s} {spec:14s} {dtype:9s} {copy * 1e6:9.0f} {enc * 1e6:9.0f} {dec * 1e6:9.0f} "
