@@ -78,9 +78,9 @@ class ShardedTrainerMixin:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         output_dir = output_dir or self.args.output_dir
-        if self._tiershard_saving:                      # a checkpoint-N: sharded, with the optimizer unless asked
-            if self.args.save_only_model:
-                save(Path(output_dir) / CHECKPOINT_FOLDER, self.model)
+        if self._tiershard_saving:      # checkpoint-N: sharded, with the optimizer (Trainer saves it next) unless
+            optimizer = None if self.args.save_only_model else self.optimizer       # asked to save the model only
+            save(Path(output_dir) / CHECKPOINT_FOLDER, self.model, optimizer)
             return
         state = full_state_dict(self.model, rank0_only=True)    # a collective: every rank, rank 0 keeps it
         if self.args.should_save:
@@ -89,7 +89,7 @@ class ShardedTrainerMixin:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        save(Path(output_dir) / CHECKPOINT_FOLDER, self.model, self.optimizer)
+        # the optimizer went into checkpoint-N/tiershard with the model (save_model above)
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
