@@ -12,7 +12,9 @@ step; the Trainer's collectives are the hand-written loop's. One launch of four 
 from __future__ import annotations
 
 import functools
+import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -290,10 +292,29 @@ def _bytes_per_step(rank, world, root, out):
     out["bytes"] = {"hand": hand, "trainer": ts.comm_stats()}
 
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _examples(rank, world, root, out):
+    """The three examples as their documentation runs them, shortened."""
+    import importlib.util
+
+    for name, length in (("hf_trainer", {"max_steps": 2}), ("accelerate_loop", {"micro_steps": 4}),
+                         ("lightning_fit", {"max_steps": 2})):
+        _fresh()
+        _env(rank, world)
+        os.environ["WORLD_SIZE"] = str(world)
+        spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        result = module.main(f"{root}/example-{name}", **length)
+        out[f"example/{name}"] = {"result": result, "files": sorted(os.listdir(f"{root}/example-{name}"))}
+
+
 def _routes(rank, world, root):
     _env(rank, world)
     out = {}
-    for part in (_trainer_routes, _accelerate_routes, _lightning_routes, _bytes_per_step):
+    for part in (_trainer_routes, _accelerate_routes, _lightning_routes, _bytes_per_step, _examples):
         part(rank, world, root, out)
     return out if rank == 0 else None
 
@@ -404,3 +425,13 @@ def test_sft_trainer_through_one_line(results):
 def test_trainer_adds_no_collective(results):
     hand, trainer = results[0]["bytes"]["hand"], results[0]["bytes"]["trainer"]
     assert trainer == hand
+
+
+def test_examples_run_as_documented(results):
+    four = results[0]
+    trainer, loop, fit = (four[f"example/{n}"] for n in ("hf_trainer", "accelerate_loop", "lightning_fit"))
+    assert len(trainer["result"]) == 2 and all(math.isfinite(x) for x in trainer["result"])
+    assert "final" in trainer["files"]
+    assert len(loop["result"]) == 4 and "tiershard" in loop["files"]
+    assert math.isfinite(fit["result"]) and any(f.endswith(".ckpt") for f in fit["files"])
+

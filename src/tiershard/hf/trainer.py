@@ -6,7 +6,8 @@ Trainer's seams, and what each does here ([Note: Trainer seams]):
   is then a no-op and its accelerator is ``tiershard.hf.Accelerator`` (no DDP: the model reduces its own
   gradients); ``gradient_accumulation_steps`` goes through ``accelerator.no_sync`` = ``ts.no_sync``,
   ``max_grad_norm`` through torch's clipping over DTensor gradients (the global norm); ``bf16``/``fp16`` are
-  accelerate's autocast (fp32 masters, as DDP's), fp16's loss scaling agreeing on overflow across ranks.
+  accelerate's autocast (fp32 masters, as under DDP), fp16's GradScaler skipping a step on every rank when any
+  rank's shard overflowed.
 - checkpoints (``save_steps``): the model and optimizer through ``ts.save`` into ``checkpoint-N/tiershard`` on
   every rank (sharded, atomic), beside Trainer's own ``trainer_state.json``, scheduler, scaler and RNG files;
   ``resume_from_checkpoint`` loads them with ``ts.load`` (any world size, plan or topology), and
