@@ -10,6 +10,7 @@ import torch.nn as nn
 from .. import Plan, Topology, shard
 from ..cost import Job, auto_estimate
 from ..cost.presets import this_machine
+from ..runtime.guards import refuse_tensor_parallel
 
 log = logging.getLogger("tiershard")
 
@@ -36,6 +37,7 @@ def shard_for(model: nn.Module, plan: Plan | str | None, topology: Topology | No
         if given:
             raise ValueError(f"this model is already sharded by ts.shard, so {'/'.join(given)}= would not apply: "
                              "drop them, or pass the unsharded model")
+        refuse_tensor_parallel(model, "this route")
         return model
     topology = topology or Topology.from_env()
     meta = any(p.is_meta for p in model.parameters())
@@ -45,4 +47,6 @@ def shard_for(model: nn.Module, plan: Plan | str | None, topology: Topology | No
         choice = auto_estimate(model, this_machine(topology), job or job_for(model), wrap=wrap)
         plan = choice.plan
         log.info("tiershard: plan %s over %s (%s); pass plan= to choose", plan, topology, choice.reason)
-    return shard(model, plan, topology, wrap=wrap, device=device if meta else None)
+    model = shard(model, plan, topology, wrap=wrap, device=device if meta else None)
+    refuse_tensor_parallel(model, "this route")
+    return model

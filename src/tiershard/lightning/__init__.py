@@ -28,6 +28,7 @@ from pytorch_lightning.strategies import ModelParallelStrategy
 
 from ..checkpoint import load, save
 from ..runtime.api import no_sync
+from ..runtime.guards import refuse_tensor_parallel
 
 __all__ = ["TieredStrategy"]
 
@@ -58,6 +59,8 @@ class TieredStrategy(ModelParallelStrategy):
         if not sharded:
             raise ValueError("TieredStrategy found no module sharded by ts.shard in the LightningModule: call "
                              "ts.shard(self.model, plan, ts.Topology.from_env()) in configure_model()")
+        for module in sharded:
+            refuse_tensor_parallel(module, "TieredStrategy")
         inside = {id(p) for m in sharded for p in m.parameters()}
         outside = [n for n, p in self.lightning_module.named_parameters() if p.requires_grad and id(p) not in inside]
         if outside:

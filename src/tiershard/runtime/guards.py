@@ -60,3 +60,12 @@ def mark_prepared(model: nn.Module) -> None:
 def is_refusing(model: nn.Module) -> bool:
     """Whether ``model`` still refuses accelerate (sharded, not yet prepared by tiershard's route)."""
     return isinstance(model.__dict__.get("_is_accelerate_prepared"), _RefuseAccelerate)
+
+
+def refuse_tensor_parallel(model: nn.Module, route: str) -> None:
+    """The frameworks give every rank its own rows; ranks of one tensor-parallel group need the same rows."""
+    tp = getattr(model._tiershard.topology, "tp", 1)
+    if tp > 1:
+        raise ValueError(f"{route} splits the data over every rank, but this model is sharded with tensor "
+                         f"parallelism (tp={tp}), whose groups need the same rows: train it with the hand-written "
+                         "loop of docs/parallelism.md, or shard it without tp=")
