@@ -204,6 +204,9 @@ def _accelerate_routes(rank, world, root, out):
     _fresh()
     out["refused/accelerate"] = _refused(lambda: accelerate.Accelerator(cpu=True).prepare(sharded, opt))
     out["refused/ddp"] = _refused(lambda: torch.nn.parallel.DistributedDataParallel(sharded))
+    out["to"] = {"noop": sharded.to("cpu:0") is sharded and sharded.to(torch.device("cpu", 0)) is sharded,
+                 "to_empty": _refused(lambda: sharded.to_empty(device="cpu")),
+                 "double": _refused(lambda: sharded.double())}
 
 
 # -- Lightning --------------------------------------------------------------------------------------------------
@@ -435,3 +438,9 @@ def test_examples_run_as_documented(results):
     assert len(loop["result"]) == 4 and "tiershard" in loop["files"]
     assert math.isfinite(fit["result"]) and any(f.endswith(".ckpt") for f in fit["files"])
 
+
+
+def test_noop_to_is_a_noop_and_real_changes_are_refused(results):
+    to = results[0]["to"]
+    assert to["noop"]                         # Trainer's and Lightning's .to(cpu:0) / .to(cuda:N)
+    assert "would replace" in to["to_empty"] and "would cast" in to["double"]
