@@ -22,6 +22,7 @@ from ..topology import Topology, TopologyError
 from .engine import Engine, Unit
 from .flat import FlatGroup, wait_for_copies
 from .layout import ParamLayout, finest_chunks
+from .outer import OuterSync
 from .materialize import InitFn, Unloaded, materialize, tie_empty_weights
 from .wrap import WrapPolicy, find_units
 
@@ -123,6 +124,9 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
         _broadcast_buffers(model)
         for group in engine.groups():
             group.sync_params()
+    if plan.outer is not None:
+        engine.outer = OuterSync(plan.outer, placement, [g for g in engine.groups() if g.trainable],
+                                 seed=torch.initial_seed())
     model._tiershard = engine
     _guard_save_pretrained(model)
     _guard_load_state_dict(model)
