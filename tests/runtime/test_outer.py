@@ -64,6 +64,18 @@ def _islands_agree(model, state: dict) -> tuple[bool, bool]:
     return _same(everyone[0][0], everyone[2][0]), all(_same(everyone[r][1], everyone[r + 2][1]) for r in (0, 1))
 
 
+def _predicted_sync(model, rank) -> int:
+    """The cost model's bytes of one full outer sync (every fragment once) for this rank."""
+    from dataclasses import replace
+
+    from tiershard.cost import traffic
+
+    engine = model._tiershard
+    colls = traffic.step_collectives(engine.placement, traffic.engine_shapes(engine))
+    once = [replace(c, every=1) for c in colls if c.op == "outer_sync"]
+    return traffic.rank_traffic(once, engine.topology, rank)["ops"]["outer_sync"]
+
+
 def outer_checks(rank, world, folder):
     import tiershard as ts
 
@@ -83,7 +95,7 @@ def outer_checks(rank, world, folder):
         ts.reset_comm_stats()
         agree = []
         _train(model, opt, rank, world, 8, after=lambda s, st: agree.append((s, *_islands_agree(model, st))))
-        out[plan] = agree, ts.comm_stats()
+        out[plan] = agree, ts.comm_stats(), _predicted_sync(model, rank)
     # 3. a save in the middle of an outer period (step 5 of H=4, fragment 0 of 2 in flight), resumed
     plan = "IIG+outer=4:f2:m0.8"
     model, opt = _build(plan, topo)
@@ -123,7 +135,7 @@ def test_h1_equals_the_plan_without_outer_sync(results):
 @pytest.mark.parametrize("plan,every,streamed", [("IIG+outer=3", 3, False), ("IIG+outer=4:f2:int4:128:h", 4, True)])
 def test_islands_meet_at_each_sync_and_only_the_sync_crosses_the_world(results, plan, every, streamed):
     for res in results:
-        agree, stats = res[plan]
+        agree, stats, predicted = res[plan]
         for step, islands, anchors in agree:
             assert anchors, (plan, step)       # the outer state is the same on every island, at every step
             # one fragment: the same weights right after each sync, different between; streamed: a fragment
@@ -132,6 +144,8 @@ def test_islands_meet_at_each_sync_and_only_the_sync_crosses_the_world(results, 
         assert set(stats["ops"]) >= {"outer_sync"}
         world_ops = {op for op, b in stats["ops"].items() if b and op != "outer_sync"}
         assert stats["tiers"].get("world", 0) == stats["ops"]["outer_sync"], (stats, world_ops)
+        # 8 steps: two full syncs (steps 3 and 6; streamed: fragment 0 at steps 3 and 7, fragment 1 at 4 and 8)
+        assert stats["ops"]["outer_sync"] == 2 * predicted > 0
 
 
 def test_resume_inside_an_outer_period_is_exact(results):

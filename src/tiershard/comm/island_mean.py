@@ -11,7 +11,7 @@ calling thread, as NCCL requires, and counted in the ledger when started.
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,8 +55,10 @@ class IslandMean:
         return self.codec.wire_bytes(numel) if self.codec is not None else numel * 4
 
     def start(self, buf: torch.Tensor, group: "TierGroup", topology: "Topology", op: str,
-              seed: int | None = None) -> PendingMean:
-        """Issue the mean of ``buf`` (flat fp32, spent) over ``group``; finish it with the result's ``finish()``."""
+              seed: int | None = None, pieces: Sequence[int] | None = None) -> PendingMean:
+        """Issue the mean of ``buf`` (flat fp32, spent: the mean is written into it) over ``group``; finish it with
+        the result's ``finish()``. ``pieces``: sizes of consecutive parts the codec encodes each on its own (one
+        per flat group, as the cost model counts them); ``seed`` keys a stochastic codec (part j: seed + j)."""
         k = group.size
         if self.codec is None:
             if k == 1:
@@ -65,12 +67,23 @@ class IslandMean:
                 work = dist.all_reduce(buf, group=group.pg, async_op=True)
             LEDGER.record(op, "all_reduce", group.ranks, buf.numel() * 4, topology.rank, topology)
             return PendingMean(work, collective, lambda: buf.div_(k))
-        n = buf.numel()
-        wire = self.codec.encode_wire(buf, 1, seed=seed)
+        pieces = list(pieces or [buf.numel()])
+        wires = [self.codec.encode_wire(part, 1, seed=None if seed is None else seed + j)
+                 for j, part in enumerate(buf.split(pieces))]
+        widths = [w.numel() for w in wires]
+        wire = torch.cat(wires)
+        gathered = wire if k == 1 else torch.empty(k * wire.numel(), dtype=torch.uint8, device=buf.device)
+
+        def done() -> torch.Tensor:
+            rows, out, start = gathered.view(k, -1), buf, 0
+            for part, (n, w) in zip(out.split(pieces), zip(pieces, widths)):
+                self.codec.decode_wire_sum(rows[:, start:start + w].contiguous().view(-1), k, n, out=part)
+                start += w
+            return out.div_(k)
+
         if k == 1:
-            return PendingMean(None, None, lambda: self.codec.decode_wire_sum(wire, 1, n))
-        gathered = torch.empty(k * wire.numel(), dtype=torch.uint8, device=buf.device)
+            return PendingMean(None, None, done)
         with guard(op, group, topology) as collective:
             work = _all_gather_flat(gathered, wire, group=group.pg, async_op=True)
         LEDGER.record(op, "all_gather", group.ranks, gathered.numel(), topology.rank, topology)
-        return PendingMean(work, collective, lambda: self.codec.decode_wire_sum(gathered, k, n).div_(k))
+        return PendingMean(work, collective, done)

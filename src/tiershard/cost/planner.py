@@ -9,7 +9,10 @@
 
 Micro-step comm (parameter gathers, per-micro-step gradient reduction) runs beside compute and hides behind
 up to ``overlap`` of it (the cluster's measured value, ``tiershard probe``, else ``Job.overlap``). Boundary
-comm waits for the last backward: the gradient sync is fully exposed. The parameter sync after the optimizer
+comm waits for the last backward: the gradient sync is fully exposed. The outer sync ([Note: outer sync]) is its
+own term: with one fragment it blocks the step it runs in (its time / H per step, all exposed); streamed in F
+fragments, each fragment's mean (1/F of the bytes) runs behind one inner step, so per step
+``F / H x max(0, fragment time - inner step)`` is exposed. The parameter sync after the optimizer
 step runs in the next forward, each unit's inside its gather ([Note: deferred rebuild], runtime/flat.py), so
 it hides behind at most the first micro-step's forward, out of the same overlap budget. The optimizer step's
 own time is left out (it is the same order for every plan that shards os alike).
@@ -17,7 +20,8 @@ own time is left out (it is the same order for every plan that shards os alike).
 [Note: quality rule] Quantized plans (qwz, qgz) change the training numerics, which step time cannot price, so the
 planner never trades quality for speed unasked: by default it generates exact plans only and its pick is the
 fastest exact plan; ``allow_lossy=True`` (``--allow-lossy``) adds the qwz / qgz plans, with bare ``qgz`` (int8
-inside, int4 on the outermost tier, rotated) as their gradient codec. Plans named in ``candidates`` are all
+inside, int4 on the outermost tier, rotated) as their gradient codec, and the outer-sync plans (``+outer``, every
+capped placement with ``OUTER_CANDIDATES``: islands that meet every 50 steps, measured in docs/outer-sync.md). Plans named in ``candidates`` are all
 ranked as given: naming a lossy plan allows it. Every estimate carries its ``quality`` and the best one's
 ``reason`` names the choice ('fastest exact plan', 'lossy plan allowed: ...').
 """
@@ -68,7 +72,7 @@ class Estimate:
 
     @property
     def quantized(self) -> int:
-        return int(bool(self.plan.qwz)) + int(bool(self.plan.qgz))
+        return int(bool(self.plan.qwz)) + int(bool(self.plan.qgz)) + int(self.plan.outer is not None)
 
     def bytes_per_group(self, tier: str) -> float:
         """Bytes on ``tier`` per group of the tier inside it: for the world tier, ZeRO++'s bytes per node."""
@@ -110,7 +114,7 @@ def evaluate(plan: Plan | str, model: ModelSpec, cluster: Cluster, job: Job) -> 
     priced = price_plan(pl, model, job, cluster)
     compute = job.accum * compute_seconds(model, job, cluster)
     micro = sum(p.seconds for p in priced if p.micro)
-    boundary = sum(p.seconds for p in priced if not p.micro)
+    boundary = sum(p.seconds for p in priced if not p.micro and p.collective.op != "outer_sync")
     overlap = job.overlap if cluster.overlap is None else cluster.overlap
     sync = sum(p.seconds for p in priced if p.collective.op == "param_sync")
     hidden = min(sync, overlap * forward_seconds(model, job, cluster))
@@ -123,13 +127,29 @@ def evaluate(plan: Plan | str, model: ModelSpec, cluster: Cluster, job: Job) -> 
         for tier, b in p.per_rank.items():
             tier_seconds[tier] += b / bandwidth[tier]
     sizes = (1, *(t.size for t in cluster.tiers))
+    inner = compute + max(0.0, micro + hidden - overlap * compute) + boundary - hidden
     return Estimate(
         plan=plan, memory=memory(pl, model, job), capacity=cluster.gpu_memory * (1 - job.memory_reserve),
         tier_bytes=tier_bytes, tier_seconds=tier_seconds, compute=compute, comm_micro=micro,
-        comm_boundary=boundary, step_time=compute + max(0.0, micro + hidden - overlap * compute) + boundary - hidden,
+        comm_boundary=boundary, step_time=inner + _outer_exposed(plan, priced, inner),
         world=cluster.world_size, group_sizes={t.name: s for t, s in zip(cluster.tiers, sizes)},
         model_flops=job.accum * job.tokens * (4 * model.params + 2 * model.trainable), overlap=overlap,
         quality=pl.quality)
+
+
+def _outer_exposed(plan: Plan, priced: Sequence[Priced], inner_step: float) -> float:
+    """Seconds per step the outer sync adds to the inner step ([Note: overlap model])."""
+    per_step = sum(p.seconds for p in priced if p.collective.op == "outer_sync")   # already / H
+    if plan.outer is None or not per_step:
+        return 0.0
+    spec = plan.outer
+    if spec.fragments == 1:
+        return per_step
+    fragment = per_step * spec.every / spec.fragments          # one fragment's mean
+    return spec.fragments / spec.every * max(0.0, fragment - inner_step)
+
+
+OUTER_CANDIDATES = ("50", "50:f5", "50:int4:128:h", "50:f5:int4:128:h")   # what allow_lossy adds ([Note: quality rule])
 
 
 def candidate_plans(topology: Topology, options: bool = True, lossy: bool = True) -> list[Plan]:
@@ -153,6 +173,12 @@ def candidate_plans(topology: Topology, options: bool = True, lossy: bool = True
                 (None, QGZ_DEFAULT) if (g or os_) and lossy else (None,),
                 (False, True) if top >= 2 else (False,)):
             out.append(base.with_options(hpz=hpz, qwz=qwz, qgz=qgz, cc=cc))
+    if lossy and options and top >= 2:       # outer sync: islands train the capped placements, each once
+        seen = set()
+        for p, g, os_ in itertools.product(range(top), repeat=3):
+            if (p, g, os_) not in seen:
+                seen.add((p, g, os_))
+                out += [Plan(p=levels[p], g=levels[g], os=levels[os_], outer=spec) for spec in OUTER_CANDIDATES]
     return out
 
 

@@ -104,10 +104,17 @@ class OuterSync:
         groups = self.fragments[fragment]
         if self.streamed:        # the masters at the issue: the land adds the new global value minus these
             self._issued = {id(g): [g.master_local(i).clone() for i in range(len(g.layouts))] for g in groups}
-        deltas = [a - g.master_local(i) for g in groups for i, a in enumerate(self.anchors[id(g)])]
-        buf = torch.cat([d.reshape(-1) for d in deltas])
+        deltas = [(a - g.master_local(i)).reshape(-1) for g in groups for i, a in enumerate(self.anchors[id(g)])]
+        # padded to the groups' level-os bands, as every engine collective is (and the cost model counts)
+        bands, parts, at = [g.S // g.size(g.level) for g in groups], [], 0
+        for g, band in zip(groups, bands):
+            mine = deltas[at:at + len(g.layouts)]
+            at += len(g.layouts)
+            parts += mine + [mine[0].new_zeros(band - sum(d.numel() for d in mine))]
+        buf = torch.cat(parts)
         seed = self.mean.key(self.steps, fragment, self.topology.rank) if self.mean.codec is not None else None
-        self.inflight = (fragment, self.mean.start(buf, self.cross, self.topology, "outer_sync", seed=seed))
+        self.inflight = (fragment, self.mean.start(buf, self.cross, self.topology, "outer_sync", seed=seed,
+                                                   pieces=bands))
 
     def finish(self) -> None:
         """Wait for the mean in flight and take the outer step: new anchors and momenta; the masters become the
@@ -116,11 +123,12 @@ class OuterSync:
             return
         fragment, pending = self.inflight
         self.inflight = None
-        mean, offset = pending.finish(), 0
+        mean, start = pending.finish(), 0
         lr, mu = self.spec.lr, self.spec.momentum
         corrections = {}
         for g in self.fragments[fragment]:
             fixes = corrections[id(g)] = []
+            offset, start = start, start + g.S // g.size(g.level)
             for i, anchor in enumerate(self.anchors[id(g)]):
                 n = anchor.numel()
                 d = mean[offset:offset + n].view_as(anchor)
