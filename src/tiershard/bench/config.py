@@ -33,6 +33,10 @@ PEERS: dict[str, str] = {
 OURS = ("zero3", "zero++", "hsdp", "IIG", "NIG", "GNG", "auto")
 DEFAULT_SYSTEMS: tuple[str, ...] = (*OURS, *PEERS)
 REFERENCES = ("fsdp2", "deepspeed-hpz")      # the ratio columns
+# --slow-world: two islands behind a slow link (docs/outer-sync.md): the best step-synchronous plans against outer
+# sync, every timed round one whole outer period (steps per round = H), so each round holds each fragment's sync
+SLOW_WORLD = dict(systems=("zero3", "zero++", "IIG", "IIG+outer=10", "IIG+outer=10:f5:int4:128:h"),
+                  rates=("25mbit", "250mbit", "none"), accums=(1,), steps_per_round=10)
 COMPUTE = "compute"                           # the compute-only pseudo-system
 CHECK_TOLERANCE = 0.05
 PARAM_BYTES = REDUCE_BYTES = 2                # bf16 gathers, compute and reductions; fp32 masters everywhere
