@@ -56,7 +56,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--slow-world", action="store_true",
                    help="two islands behind a slow link: systems " + ",".join(SLOW_WORLD["systems"]) + ", rates "
                         + ",".join(SLOW_WORLD["rates"]) + ", accum 1, " + str(SLOW_WORLD["steps_per_round"])
-                        + " steps per round (one outer period); flags given explicitly win")
+                        + " steps per round (one outer period), auto with --allow-lossy --allow-outer; flags given "
+                        "explicitly win")
+    p.add_argument("--allow-lossy", action="store_true", help="let auto pick quantized plans (qwz, qgz) too")
+    p.add_argument("--allow-outer", action="store_true",
+                   help="with --allow-lossy, let auto pick outer-sync plans (+outer=H) too")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--steps-per-round", type=int, default=2, help="timed steps per system and round (default 2)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per system first (default 1)")
@@ -114,6 +118,7 @@ def config(args: argparse.Namespace):
                 setattr(args, flag, value)
         if args.steps_per_round == 2:
             args.steps_per_round = SLOW_WORLD["steps_per_round"]
+        args.allow_lossy = args.allow_outer = True
     nodes, per_node, tiers = args.nodes, args.ranks_per_node, None
     rates = tuple(r.strip() for r in args.rates.split(",") if r.strip())
     if args.tiers:
@@ -132,7 +137,8 @@ def config(args: argparse.Namespace):
                        accums=_ints(args.accum, "accum"), rates=rates,
                        rounds=args.rounds, steps_per_round=args.steps_per_round, warmup=args.warmup,
                        batch_per_rank=args.batch_per_rank, seq=args.seq, seed=args.seed, local=args.local,
-                       intra_bw=intra, cluster_name=args.name, timeout=args.timeout)
+                       intra_bw=intra, cluster_name=args.name, timeout=args.timeout,
+                       allow_lossy=args.allow_lossy, allow_outer=args.allow_outer)
 
 
 def run(args: argparse.Namespace) -> int:
