@@ -23,6 +23,7 @@ from .engine import Engine, Unit
 from .flat import FlatGroup, wait_for_copies
 from .guards import guard_wrappers
 from .layout import ParamLayout, finest_chunks
+from .outer import OuterSync
 from .materialize import InitFn, Unloaded, materialize, tie_empty_weights
 from .wrap import WrapPolicy, find_units
 
@@ -124,6 +125,9 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
         _broadcast_buffers(model)
         for group in engine.groups():
             group.sync_params()
+    if plan.outer is not None:
+        engine.outer = OuterSync(plan.outer, placement, [g for g in engine.groups() if g.trainable],
+                                 seed=torch.initial_seed())
     model._tiershard = engine
     _guard_save_pretrained(model)
     _guard_load_state_dict(model)
