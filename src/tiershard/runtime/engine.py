@@ -76,6 +76,16 @@ _STEP_HOOK = None
 _PRE_STEP_HOOK = None
 
 
+def _outside_graphs(hook):
+    """``hook``, run eagerly even when a compiled module calls it ([Note: hooks outside the graphs]).
+
+    Dynamo is imported here, at ``ts.shard``, not with the package: DTensor imports it there anyway."""
+    import torch._dynamo
+
+    return torch._dynamo.disable(hook, recursive=True,
+                                 reason="tiershard's gathers, releases and reductions run outside compiled graphs")
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -122,8 +132,9 @@ class Unit:
         self.awaits_post_backward = False     # its inputs carry _PostBackward: that releases it
         for group in groups:
             group.gauge = engine.gauge
-        self.handles = [module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
-                        module.register_forward_hook(self._post_forward)]
+        self._pre_backward = _outside_graphs(self._pre_backward)
+        self.handles = [module.register_forward_pre_hook(_outside_graphs(self._pre_forward), with_kwargs=True),
+                        module.register_forward_hook(_outside_graphs(self._post_forward))]
         for index, group in enumerate(groups):
             if group.trainable:
                 for working in group.working:
