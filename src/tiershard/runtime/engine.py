@@ -50,6 +50,14 @@ level-p copy (each gather casts the masters' band), and a gathered matrix is fre
 stream's finished job does not hold it); it is allocated by the thread that frees it, since on CPUs memory the
 communication thread allocates comes from, and stays in, that thread's own malloc arena.
 
+[Note: hooks outside the graphs] The unit hooks (forward pre/post, the output-gradient hook) are wrapped in
+``torch._dynamo.disable``, as FSDP2's are: gathers, releases, reductions and the stream's threads and locks stay
+eager, and a compiled block traces only its own math, with its parameters (the working tensors, plain tensors
+of fixed shapes) as graph inputs. So every plan, ZeRO++ options included, compiles to the same graphs and a
+plan, a step, an accumulation micro-step, ``no_sync`` or a checkpoint load changes no guard. Tracing the
+collectives instead (SimpleFSDP) would need compiled autograd and functional collectives for every comm
+strategy (qwZ's codecs, hpZ caches, qgZ's two hops); it is left for later (docs/compile.md).
+
 [Note: what the module shows] Between forward/backward the module's parameters are the masters (DTensors);
 inside a unit's forward and backward they are its working tensors (plain tensors of the original shapes).
 """
