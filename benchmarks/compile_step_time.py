@@ -76,6 +76,7 @@ def _job(rank, world, args):
     for row in rows:
         ref = next(r for r in rows if r["system"] == "fsdp2" and r["compiled"] == row["compiled"])["params"]
         row["vs_fsdp2"] = max(((row["params"][k] - ref[k]).abs().max() / ref[k].abs().max()).item() for k in ref)
+    for row in rows:
         del row["params"]
     return rows
 
