@@ -48,6 +48,8 @@ FLAGS: list[tuple[str, str, str, type, str]] = [
     ("--save", "train", "save", bool, "write the trained weights to model.pt"),
     ("--save-every", "train", "save_every", int, "steps between checkpoints in OUT/checkpoints (0: none)"),
     ("--resume", "train", "resume", str, "auto (the latest checkpoint in OUT/checkpoints, if any) or a checkpoint"),
+    ("--compile", "train", "compile", bool,
+     "torch.compile each block (fullgraph, inductor) before sharding; the first step pays the compile"),
     ("--plan", "parallel", "plan", str, "sharding plan: a preset (zero3, hsdp, ...), a code like IIG, or auto"),
     ("--nproc", "parallel", "nproc", int, "ranks to launch on this machine"),
     ("--ranks-per-node", "parallel", "ranks_per_node", int, "ranks per (emulated) node"),

@@ -50,6 +50,14 @@ level-p copy (each gather casts the masters' band), and a gathered matrix is fre
 stream's finished job does not hold it); it is allocated by the thread that frees it, since on CPUs memory the
 communication thread allocates comes from, and stays in, that thread's own malloc arena.
 
+[Note: hooks outside the graphs] The unit hooks (forward pre/post, the output-gradient hook) are wrapped in
+``torch._dynamo.disable``, as FSDP2's are: gathers, releases, reductions and the stream's threads and locks stay
+eager, and a compiled block traces only its own math, with its parameters (the working tensors, plain tensors
+of fixed shapes) as graph inputs. So every plan, ZeRO++ options included, compiles to the same graphs and a
+plan, a step, an accumulation micro-step, ``no_sync`` or a checkpoint load changes no guard. Tracing the
+collectives instead (SimpleFSDP) would need compiled autograd and functional collectives for every comm
+strategy (qwZ's codecs, hpZ caches, qgZ's two hops); it is left for later (docs/compile.md).
+
 [Note: what the module shows] Between forward/backward the module's parameters are the masters (DTensors);
 inside a unit's forward and backward they are its working tensors (plain tensors of the original shapes).
 """
@@ -75,6 +83,16 @@ if TYPE_CHECKING:
 _ENGINES: "list[weakref.ref[Engine]]" = []
 _STEP_HOOK = None
 _PRE_STEP_HOOK = None
+
+
+def _outside_graphs(hook):
+    """``hook``, run eagerly even when a compiled module calls it ([Note: hooks outside the graphs]).
+
+    Dynamo is imported here, at ``ts.shard``, not with the package: DTensor imports it there anyway."""
+    import torch._dynamo
+
+    return torch._dynamo.disable(hook, recursive=True,
+                                 reason="tiershard's gathers, releases and reductions run outside compiled graphs")
 
 
 def _in_backward() -> bool:
@@ -123,8 +141,9 @@ class Unit:
         self.awaits_post_backward = False     # its inputs carry _PostBackward: that releases it
         for group in groups:
             group.gauge = engine.gauge
-        self.handles = [module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
-                        module.register_forward_hook(self._post_forward)]
+        self._pre_backward = _outside_graphs(self._pre_backward)
+        self.handles = [module.register_forward_pre_hook(_outside_graphs(self._pre_forward), with_kwargs=True),
+                        module.register_forward_hook(_outside_graphs(self._post_forward))]
         for index, group in enumerate(groups):
             if group.trainable:
                 for working in group.working:

@@ -28,6 +28,8 @@ class TrainConfig:
     ``save_every`` writes a checkpoint (``ts.save``, with the optimizer) to ``out/checkpoints/step_<N>`` every
     that many steps and at the last step (0: none). ``resume`` is ``""`` (start fresh), ``"auto"`` (the
     checkpoint ``out/checkpoints/latest`` names, if there is one, else start fresh) or a checkpoint path.
+    ``compile`` compiles each transformer block (``block.compile(fullgraph=True)``, inductor) before sharding,
+    torchtitan's order; tiershard's gathers and reductions stay outside the graphs (docs/compile.md).
     """
 
     steps: int = 300
@@ -47,6 +49,7 @@ class TrainConfig:
     save: bool = True
     save_every: int = 0
     resume: str = ""
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "accum", "log_interval", "eval_interval", "eval_batches"):
@@ -66,6 +69,8 @@ class TrainConfig:
             raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if not isinstance(self.out, str) or not self.out:
             raise ValueError(f"train.out must be a folder path, got {self.out!r}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"train.compile must be true or false, got {self.compile!r}")
         if not isinstance(self.save, bool):
             raise ValueError(f"train.save must be true or false, got {self.save!r}")
         if not isinstance(self.save_every, int) or isinstance(self.save_every, bool) or self.save_every < 0:

@@ -193,6 +193,10 @@ def _train(cfg: JobConfig, device: torch.device) -> dict:
     model = GPT(cfg.model).to(device)
     n_params = model.num_params()
     param_dtype = torch.bfloat16 if tc.precision == "bf16" else None
+    if tc.compile:      # per block, before sharding: torchtitan's order ([Note: hooks outside the graphs])
+        for module in model.modules():
+            if isinstance(module, Block):
+                module.compile(fullgraph=True)
     model = ts.shard(model, cfg.parallel.plan, topo, wrap={Block}, param_dtype=param_dtype)
     opt = torch.optim.AdamW(param_groups(model, tc.weight_decay), lr=tc.lr, betas=(0.9, 0.95))
 
