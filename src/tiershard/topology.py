@@ -518,6 +518,14 @@ class Topology:
             return
         if len(hosts) != self.num_ranks:
             raise TopologyError(f"{len(hosts)} host names for the {self.num_ranks} ranks of {self}")
+        for start in range(0, self.num_ranks, self.tp):
+            members = list(hosts[start:start + self.tp])
+            if len(set(members)) > 1:
+                raise TopologyError(
+                    f"the tensor-parallel group of ranks {start}-{start + self.tp - 1} of {self} spans hosts "
+                    f"{', '.join(repr(h) for h in dict.fromkeys(members))}: tensor parallelism runs inside a node, so "
+                    f"run each {self.tp} adjacent ranks on one host or pick a tp that divides the ranks per host "
+                    "(docs/parallelism.md)")
         size, tier = self.level_size(level) * self.tp, self.level_name(level)
         problems = []
         for start in range(0, self.num_ranks, size):

@@ -17,6 +17,8 @@ and 18 rows (9 at TP 4) that the tiers then cut unevenly. Oracles:
 - checkpoints across TP degrees: ``ts.save`` at TP 2, ``ts.load`` without TP and at TP 4 gives the saved values
   bit for bit, and one more AdamW step from the loaded state (its moments too) equals the TP 2 run's; saved without
   TP it loads back at TP 2; ``ts.full_state_dict`` / ``ts.load_full_state_dict`` carry the same values across;
+- the errors for a TP model that does not fit: TP over other ranks than the topology's, a DTensor parameter
+  under a topology without ``tp=``, a ``Partial`` parameter: one sentence each, naming the fix;
 - ``examples/tp_tiers.py`` runs on the same ranks and its result equals its FSDP2 + TP twin's.
 """
 from __future__ import annotations
@@ -207,10 +209,41 @@ def tp_sweep(rank: int, world: int, ref: dict, codes: list[str], folder: str) ->
     ts.load_full_state_dict(other, saved)
     out["full_state_tp4"] = all(torch.equal(v, saved[k]) for k, v in ts.full_state_dict(other).items())
 
+    out["errors"] = _errors(topo, plain)
+
     # the example, beside its FSDP2 + TP twin
     example = _example()
     out["example"] = (example.train(topo, steps=3), example.train(topo, steps=3, fsdp2_mesh=mesh))
     return out
+
+
+def _errors(topo, plain) -> list[str]:
+    """What ``ts.shard`` says to a TP model that does not fit the topology, or to a placement it does not take."""
+    import tiershard as ts
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    def message(model, topology):
+        try:
+            ts.shard(model, "IIG", topology, wrap={TPBlock})
+        except ValueError as e:
+            return str(e)
+        return "no error"
+
+    torch.manual_seed(0)
+    wrong = TPNet()            # TP over ranks r and r + 4: the TP dim outermost
+    parallelize_module(wrong, init_device_mesh("cpu", (TP, DP), mesh_dim_names=("tp", "dp"))["tp"], tp_plan(wrong))
+    torch.manual_seed(0)
+    undeclared = TPNet()
+    parallelize_module(undeclared, topo.tp_mesh, tp_plan(undeclared))
+    torch.manual_seed(0)
+    partial = TPNet()
+    parallelize_module(partial, topo.tp_mesh, tp_plan(partial))
+    norm = next(m for m in partial.modules() if isinstance(getattr(m, "weight", None), DTensor)
+                and m.weight.placements[0].is_replicate())
+    norm.weight = torch.nn.Parameter(DTensor.from_local(norm.weight.to_local(), topo.tp_mesh, (Partial(),)))
+    return [message(wrong, topo), message(undeclared, plain), message(partial, topo)]
 
 
 def _train_global(model, opt, rank: int, topology, data) -> None:
@@ -247,6 +280,10 @@ def test_tensor_parallel_under_the_tiers(tmp_path):
         if not res["back_to_tp2"] or not res["full_state_tp4"]:
             failures.append(f"rank {rank}: back to TP 2 {res['back_to_tp2']}, full state at TP 4 "
                             f"{res['full_state_tp4']}")
+        for got, want in zip(res["errors"], ("is tensor-parallel over ranks", "has none: declare it",
+                                             "has TP placement P(sum), which")):
+            if want not in got or ". " in got.replace("e.g. ", ""):
+                failures.append(f"rank {rank}: error {got!r}, wanted one sentence with {want!r} and the fix")
         mine, fsdp2 = res["example"]
         if abs(mine - fsdp2) > 1e-6 * abs(fsdp2):
             failures.append(f"examples/tp_tiers.py rank {rank}: loss {mine} vs FSDP2 + TP {fsdp2}")

@@ -60,9 +60,9 @@ class TPSpec:
         if isinstance(placement, Shard) and type(placement) is Shard:
             placement = Shard(placement.dim % param.dim())
         elif not isinstance(placement, Replicate):
-            raise ValueError(f"parameter {name} has TP placement {placement}: ts.shard takes Shard(dim) or "
-                             "Replicate() parameters (what ColwiseParallel, RowwiseParallel and SequenceParallel "
-                             "make)")
+            raise ValueError(f"parameter {name} has TP placement {placement}, which ts.shard does not take: "
+                             "parallelise it with a style that leaves Shard(dim) or Replicate() parameters "
+                             "(ColwiseParallel, RowwiseParallel, SequenceParallel), or leave it out of the TP plan")
         return cls(mesh, placement, param.shape, tuple(param.stride()))
 
     def master_spec(self, topology: Topology, level: int, dtype: torch.dtype) -> DTensorSpec:
