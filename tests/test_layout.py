@@ -24,6 +24,8 @@ MAY_IMPORT = {
     "train": LIBRARY | {"facade"},
     "bench": LIBRARY | {"facade", "train", "cluster"},
     "cli": LIBRARY | {"facade", "train", "bench", "cluster"},
+    "hf": LIBRARY | {"facade"},
+    "lightning": LIBRARY | {"facade"},
 }
 
 

@@ -16,6 +16,15 @@ stochastically (on a one-tier topology, its outermost entry). Round to nearest o
 validation loss at 600 steps; stochastic rounding, which sends the same bytes, did not (docs/zeropp.md).
 This module checks the grammar with one regex (plans sit below ``comm``); the codec layer's ``hop_codecs`` is
 the parser at run time, and a test keeps the two in agreement.
+
+[Note: outer sync] ``+outer=H`` makes the outermost tier's groups *islands* (DiLoCo): inside an island training
+runs the plan's placement with every level capped at the tier below world (``I``), so nothing crosses the slowest
+tier at an optimizer step; every ``H`` steps the islands average their parameter change since the last sync and
+take an outer Nesterov SGD step on it (runtime/outer.py). Its options follow ``H``, joined by ``:``, any order,
+each at most once: ``fF`` streams the sync in ``F`` fragments of consecutive units, each at its own offset within
+the ``H`` steps (``1 <= F <= H``); ``lrX`` the outer learning rate (default 0.7), ``mX`` its Nesterov momentum
+(default 0.9, ``m0`` plain SGD); a codec (``int8`` or ``int4``, then ``:BLOCK``, ``:h``, ``:sr`` as in qgz) for the
+outer gradient, last. ``IIG+outer=100:f4:int4:128:h``. It is lossy: islands drift apart between syncs.
 """
 from __future__ import annotations
 
@@ -43,10 +52,72 @@ QWD_CODECS = ("int4", "int8")
 QWD_DEFAULT = "int4:2048"                  # bare ``qwd``: SDP4Bit's weight differences
 _HOP = r"(?:int)?(?:8|4)(?::[1-9][0-9]*)?(?::h(?::sr)?|:sr(?::h)?)?"
 _QGZ_SPEC = re.compile(rf"{_HOP}(?:/{_HOP})*")
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9        # DiLoCo's outer Nesterov SGD
 
 
 class PlanError(ValueError):
     """A plan that is malformed, or cannot fit the topology; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class OuterSpec:
+    """The outer sync of ``+outer=H`` ([Note: outer sync]): period, fragments, outer optimizer, outer-gradient codec."""
+
+    every: int
+    fragments: int = 1
+    lr: float = OUTER_LR
+    momentum: float = OUTER_MOMENTUM
+    codec: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise PlanError(f"outer={self.every!r}: the period must be a positive whole number of steps, e.g. outer=100")
+        if isinstance(self.fragments, bool) or not isinstance(self.fragments, int) or \
+                not 1 <= self.fragments <= self.every:
+            raise PlanError(f"outer={self.every}:f{self.fragments}: the fragments must number 1 to the period "
+                            f"{self.every} (each syncs at its own step of the period), e.g. outer={self.every}:f1")
+        if not self.lr > 0:
+            raise PlanError(f"outer lr {self.lr} must be positive, e.g. outer={self.every}:lr0.7")
+        if not 0 <= self.momentum < 1:
+            raise PlanError(f"outer momentum {self.momentum} must be in [0, 1), e.g. outer={self.every}:m0.9")
+        if self.codec is not None and not re.fullmatch(_HOP, self.codec):
+            raise PlanError(f"unknown outer codec {self.codec!r}: int8 or int4, then an optional :BLOCK, :h and :sr "
+                            f"as in qgz, e.g. outer={self.every}:int4:128:h")
+
+    @classmethod
+    def parse(cls, text: str) -> "OuterSpec":
+        """``H[:fF][:lrX][:mX][:CODEC]`` ([Note: outer sync])."""
+        head, *tokens = text.split(":")
+        if not head.isdigit():
+            raise PlanError(f"outer={text!r}: give the period in steps first, e.g. outer=100 or outer=100:f4:int4")
+        fields: dict = {}
+        for i, token in enumerate(tokens):
+            if re.fullmatch(r"(?:int)?[48]", token):
+                fields["codec"] = ":".join(tokens[i:])
+                break
+            match = re.fullmatch(r"(f|lr|m)([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)", token)
+            if match is None:
+                raise PlanError(f"unknown outer option {token!r} in outer={text}: use fF (fragments), lrX, mX, "
+                                "then a codec such as int4:128:h, e.g. outer=100:f4:lr0.7:m0.9:int4")
+            key = {"f": "fragments", "lr": "lr", "m": "momentum"}[match.group(1)]
+            if key in fields:
+                raise PlanError(f"outer option {match.group(1)} given twice in outer={text}")
+            fields[key] = int(match.group(2)) if key == "fragments" and match.group(2).isdigit() else \
+                float(match.group(2))
+        if isinstance(fields.get("fragments"), float):
+            raise PlanError(f"outer={text}: fragments must be a whole number, e.g. f4")
+        return cls(int(head), **fields)
+
+    def __str__(self) -> str:
+        parts = [str(self.every)] + ([f"f{self.fragments}"] if self.fragments != 1 else []) + \
+            ([f"lr{self.lr:g}"] if self.lr != OUTER_LR else []) + \
+            ([f"m{self.momentum:g}"] if self.momentum != OUTER_MOMENTUM else []) + ([self.codec] if self.codec else [])
+        return ":".join(parts)
+
+    def offset(self, fragment: int) -> int:
+        """The step of the period (0 .. H-1, counted after the optimizer step) at which ``fragment`` syncs: fragment
+        ``F-1`` at the period's end, the others evenly before it."""
+        return (fragment + 1) * self.every // self.fragments % self.every
 
 
 @dataclass(frozen=True)
@@ -60,6 +131,7 @@ class Plan:
     ``qgz``: codecs for gradient reduction, one per tier ([Note: qgz specs]), e.g. ``"int4"``, ``"8/4"``,
     ``"int8:128:h/int4:128:h"``, with ``"+ef"`` for error feedback.
     ``cc``: run global collectives hierarchically (intra then inter phases).
+    ``outer``: DiLoCo's outer sync over the outermost tier ([Note: outer sync]), an ``OuterSpec`` or its text.
     """
 
     p: str = "G"
@@ -70,6 +142,7 @@ class Plan:
     qgz: str | None = None
     cc: bool = False
     qwd: str | None = None
+    outer: OuterSpec | None = None
 
     def __post_init__(self) -> None:
         for name in ("p", "g", "os"):
@@ -84,6 +157,10 @@ class Plan:
             _check_codec("qwd", self.qwd, QWD_CODECS, allow_ef=False)
         if self.qgz is not None:
             _check_codec("qgz", self.qgz, QGZ_CODECS, allow_ef=True)
+        if isinstance(self.outer, (str, int)) and not isinstance(self.outer, bool):
+            object.__setattr__(self, "outer", OuterSpec.parse(str(self.outer)))
+        elif self.outer is not None and not isinstance(self.outer, OuterSpec):
+            raise PlanError(f"outer={self.outer!r}: give a period like outer=100 ([Note: outer sync])")
 
     # ---- text ---------------------------------------------------------------------------------
     @classmethod
@@ -139,12 +216,16 @@ class Plan:
                 options["qwd"] = value or QWD_DEFAULT
             elif key == "qgz":
                 options["qgz"] = value or QGZ_DEFAULT
+            elif key == "outer":
+                if not value:
+                    raise PlanError(f"outer needs its period in {text!r}: e.g. IIG+outer=100")
+                options["outer"] = OuterSpec.parse(value)
             elif key == "cc":
                 if value:
                     raise PlanError(f"cc takes no value in {text!r}")
                 options["cc"] = True
             else:
-                raise PlanError(f"unknown plan option {key!r} in {text!r}: known options are hpz, qwz, qwd, qgz, cc")
+                raise PlanError(f"unknown plan option {key!r} in {text!r}: known options are hpz, qwz, qwd, qgz, cc, outer")
         return cls(**fields, **options)
 
     def __str__(self) -> str:
@@ -159,9 +240,9 @@ class Plan:
     # ---- quality ------------------------------------------------------------------------------
     @property
     def lossy(self) -> bool:
-        """Whether the plan quantizes anything (qwz / qwd weights or qgz gradients): its training differs from
-        exact."""
-        return bool(self.qwz or self.qwd or self.qgz)
+        """Whether the plan quantizes anything (qwz / qwd weights or qgz gradients) or syncs islands only every H
+        steps (outer): its training differs from exact."""
+        return bool(self.qwz or self.qwd or self.qgz or self.outer)
 
     @property
     def error_feedback(self) -> bool:
@@ -184,7 +265,7 @@ class Plan:
         """``'exact'``, or ``'lossy: '`` and the bits of what is quantized, per tier when ``topology`` is given:
         e.g. ``'lossy: weights int8, gradients int8 (node) / int4 (world)'``."""
         return self.resolve(topology).quality if topology is not None else \
-            _quality(self.qwz, self.qgz and self.qgz.removesuffix("+ef"), qwd=self.qwd)
+            _quality(self.qwz, self.qgz and self.qgz.removesuffix("+ef"), qwd=self.qwd, outer=self.outer)
 
     # ---- topology -----------------------------------------------------------------------------
     def resolve(self, topology: "Topology") -> "Placement":
@@ -198,6 +279,12 @@ class Plan:
                 raise PlanError(f"{what}: {err}") from None
 
         p, g, os_ = level(self.p, "p"), level(self.g, "g"), level(self.os, "os")
+        if self.outer is not None:         # islands: every level stays inside the tier below world
+            if len(topology.sizes) < 2:
+                raise PlanError(f"outer syncs islands, the groups of the tier below world, but {topology} has one "
+                                "tier: declare two, e.g. Topology((ranks_per_island, world))")
+            top = len(topology.sizes) - 1
+            p, g, os_ = min(p, top), min(g, top), min(os_, top)
         hpz = tuple(level(h, "hpz") for h in self.hpz)
         for name, lvl in zip(self.hpz, hpz):
             if not 0 < lvl < p:
@@ -237,6 +324,11 @@ class Placement:
         return self.topology.level_size(level)
 
     @property
+    def dp_level(self) -> int:
+        """The level whose group averages gradients at each step: the world, or the island with outer sync."""
+        return len(self.topology.sizes) - (1 if self.plan.outer is not None else 0)
+
+    @property
     def code(self) -> str:
         names = self.topology.level_name
         return f"p={names(self.p)},g={names(self.g)},os={names(self.os)}"
@@ -266,7 +358,7 @@ class Placement:
             text += " +ef"
         gathered = self.size(self.p) > 1
         return _quality(self.plan.qwz if gathered else None, text if runs else None, bits=False,
-                        qwd=self.plan.qwd if gathered else None)
+                        qwd=self.plan.qwd if gathered else None, outer=self.plan.outer)
 
 
 def _option_tokens(plan: Plan) -> list[str]:
@@ -282,6 +374,8 @@ def _option_tokens(plan: Plan) -> list[str]:
         tokens.append(("qgz" if body == QGZ_DEFAULT else f"qgz={body}") + ("+ef" if plan.error_feedback else ""))
     if plan.cc:
         tokens.append("cc")
+    if plan.outer:
+        tokens.append(f"outer={plan.outer}")
     return tokens
 
 
@@ -290,9 +384,12 @@ def _bits(spec: str) -> str:
     return "int" + spec.removeprefix("int")[0]
 
 
-def _quality(qwz: str | None, qgz: str | None, bits: bool = True, qwd: str | None = None) -> str:
+def _quality(qwz: str | None, qgz: str | None, bits: bool = True, qwd: str | None = None,
+             outer: OuterSpec | None = None) -> str:
     parts = ([f"weights {_bits(qwz)}"] if qwz else []) + ([f"weights {_bits(qwd)} differences"] if qwd else []) + \
-        ([f"gradients {'/'.join(_bits(s) for s in qgz.split('/')) if bits else qgz}"] if qgz else [])
+        ([f"gradients {'/'.join(_bits(s) for s in qgz.split('/')) if bits else qgz}"] if qgz else []) + \
+        ([f"outer sync every {outer.every} steps" + (f" in {outer.fragments} fragments" if outer.fragments > 1 else "")
+          + (f", outer gradients {_bits(outer.codec)}" if outer.codec else "")] if outer else [])
     return "lossy: " + ", ".join(parts) if parts else "exact"
 
 

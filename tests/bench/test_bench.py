@@ -208,3 +208,23 @@ def test_tier_settings_from_the_command_line(capsys):
     from tiershard.cli.bench import split_systems
     assert split_systems("IIG,p=pair,g=node,os=world+hpz=pair, p=node, g=node, os=world,fsdp2") == (
         "IIG", "p=pair,g=node,os=world+hpz=pair", "p=node, g=node, os=world", "fsdp2")
+
+
+def test_slow_world_lets_auto_pick_outer_sync_and_times_whole_sync_intervals(capsys):
+    import argparse
+
+    from tiershard.bench.config import check_config, sync_interval
+    from tiershard.cli.bench import add_parser, config
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    cfg = config(parser.parse_args(["bench", "--slow-world"]))
+    assert "auto" in cfg.systems and cfg.allow_lossy and cfg.allow_outer and cfg.rates[0] == "25mbit"
+    check_config(cfg)                      # 10 steps per round hold IIG+outer=10's sync and f5's two fragments
+    assert (sync_interval("IIG+outer=10"), sync_interval("IIG+outer=10:f5:int4:128:h"), sync_interval("IIG")) == \
+        (10, 2, None)
+    # a round shorter than the sync interval would time steps without the sync: refused, naming the fix
+    assert main(["bench", "--slow-world", "--steps-per-round", "4"]) == 2
+    assert "give --steps-per-round 10" in capsys.readouterr().err
+    assert main(["bench", "--local", "--allow-outer", "--systems", "auto"]) == 2
+    assert "add --allow-lossy" in capsys.readouterr().err

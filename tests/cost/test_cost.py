@@ -307,3 +307,42 @@ def test_paper_tables_doc_is_current():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.main(["--check", str(root / "docs" / "paper-tables.md")]) == 0
+
+
+# ---- outer sync ([Note: outer sync] in plan.py) ------------------------------------------------------------
+def _two_islands(inter_bw: float) -> Cluster:
+    return Cluster(tiers=(Tier(name="node", size=2, bandwidth=2e9), Tier(name="world", size=4, bandwidth=inter_bw)),
+                   gpu_memory=80e9, peak_flops=1e13)
+
+
+def test_outer_sync_bytes_and_exposed_time():
+    model, job = ModelSpec.from_params(3.7e6, layers=4, hidden=256, vocab=2048), Job(seq=128, accum=1)
+    slow = _two_islands(25e6 / 8)
+    plain = cost.evaluate("III", model, slow, job)
+    every = {H: cost.evaluate(f"IIG+outer={H}", model, slow, job) for H in (10, 100)}
+    # nothing crosses the world but the sync: its bytes per step scale as 1/H; one fragment is all exposed
+    assert "world" in plain.tier_bytes and every[10].tier_bytes["world"] == pytest.approx(
+        10 * every[100].tier_bytes["world"], rel=1e-5)
+    inner = cost.evaluate("IIG+outer=100:lr1", model, _two_islands(1e15), job).step_time
+    sync = every[10].step_time - inner
+    assert sync > 0 and every[100].step_time - inner == pytest.approx(sync / 10, rel=1e-3)
+    # int4 outer gradients: about 1/8 of the fp32 all-reduce's bytes (2 islands: all-gather of one encoding each)
+    q4 = cost.evaluate("IIG+outer=10:int4:128:h", model, slow, job)
+    assert 0.10 < q4.tier_bytes["world"] / every[10].tier_bytes["world"] < 0.15
+    # streamed: the same bytes, and a fragment that one inner step hides costs nothing
+    fast = _two_islands(1e12)
+    streamed = cost.evaluate("IIG+outer=10:f5", model, fast, job)
+    assert streamed.tier_bytes == cost.evaluate("IIG+outer=10", model, fast, job).tier_bytes
+    one = cost.evaluate("IIG+outer=10", model, fast, job)
+    sync = sum(p.seconds for p in cost.price_plan(ts.Plan.parse("IIG+outer=10").resolve(fast.topology), model, job,
+                                                  fast) if p.collective.op == "outer_sync")
+    assert sync > 0 and one.step_time - sync == pytest.approx(streamed.step_time, rel=1e-9)
+    # the planner ranks outer plans only when asked, and only with allow_lossy
+    assert not any(p.outer for p in cost.candidate_plans(slow.topology))
+    best = cost.auto_plan(model, slow, job, allow_lossy=True, outer=True)
+    assert best.outer is not None and cost.auto_plan(model, slow, job, allow_lossy=True).outer is None
+    with pytest.raises(ValueError, match="allow_lossy"):
+        cost.rank_plans(model, slow, job, outer=True)
+    # memory: anchor and momentum beside the masters
+    assert cost.evaluate("IIG+outer=10", model, slow, job).memory.optimizer == pytest.approx(
+        plain.memory.optimizer + 8 * model.trainable / 2)

@@ -33,6 +33,11 @@ PEERS: dict[str, str] = {
 OURS = ("zero3", "zero++", "hsdp", "IIG", "NIG", "GNG", "auto")
 DEFAULT_SYSTEMS: tuple[str, ...] = (*OURS, *PEERS)
 REFERENCES = ("fsdp2", "deepspeed-hpz")      # the ratio columns
+# --slow-world: two islands behind a slow link (docs/outer-sync.md): the best step-synchronous plans against outer
+# sync, every timed round one whole outer period (steps per round = H), so each round holds each fragment's sync
+# and the planner's pick among exact, quantized and outer-sync plans (auto with allow_lossy and allow_outer)
+SLOW_WORLD = dict(systems=("zero3", "zero++", "IIG", "IIG+outer=10", "IIG+outer=10:f5:int4:128:h", "auto"),
+                  rates=("25mbit", "250mbit", "none"), accums=(1,), steps_per_round=10)
 COMPUTE = "compute"                           # the compute-only pseudo-system
 CHECK_TOLERANCE = 0.05
 PARAM_BYTES = REDUCE_BYTES = 2                # bf16 gathers, compute and reductions; fp32 masters everywhere
@@ -70,6 +75,8 @@ class BenchConfig:
     intra_bw: float | None = None     # bytes/s per rank inside a node; None: measure with `tiershard probe`
     cluster_name: str = "bench"
     timeout: float = 3600.0           # seconds per launch of the ranks
+    allow_lossy: bool = False         # what auto may pick: the quantized plans too ([Note: quality rule])
+    allow_outer: bool = False         # and, with allow_lossy, the outer-sync plans
 
     @property
     def world(self) -> int:
@@ -166,6 +173,19 @@ def parse_systems(cfg: BenchConfig) -> list[System]:
     return systems
 
 
+def sync_interval(plan: str | None) -> int | None:
+    """Steps between two fragment syncs of an outer-sync plan (H / F; H when F does not divide H), None without
+    one. [Note: outer step time] A blocking sync lands in one step of H, so the median step hides it: an
+    outer-sync row's step time is the mean over its timed steps, and each round must hold whole intervals for that
+    mean to be the plan's."""
+    from ..plan import Plan
+
+    outer = Plan.parse(plan).outer if plan and plan != "auto" else None
+    if outer is None:
+        return None
+    return outer.every // outer.fragments if outer.every % outer.fragments == 0 else outer.every
+
+
 def check_config(cfg: BenchConfig) -> None:
     """Raise BenchError for settings that cannot run, before anything is launched."""
     ints = dict(nodes=cfg.nodes, ranks_per_node=cfg.ranks_per_node, rounds=cfg.rounds,
@@ -195,6 +215,14 @@ def check_config(cfg: BenchConfig) -> None:
     mc = model_config(cfg)
     if cfg.seq is not None and not 1 <= cfg.seq <= mc.block_size:
         raise BenchError(f"seq={cfg.seq} must be in 1..{mc.block_size} (the model's block size)")
+    if cfg.allow_outer and not cfg.allow_lossy:
+        raise BenchError("allow-outer lets auto pick outer-sync plans, which are lossy: add --allow-lossy")
+    for system in parse_systems(cfg):
+        interval = sync_interval(system.plan)
+        if interval and cfg.steps_per_round % interval:
+            raise BenchError(f"{system.label} syncs every {interval} steps, which {cfg.steps_per_round} steps per "
+                             f"round do not hold whole ([Note: outer step time]): give --steps-per-round "
+                             f"{interval * max(1, round(cfg.steps_per_round / interval))}")
     if cfg.intra_bw is not None and not cfg.intra_bw > 0:
         raise BenchError(f"intra-bw {cfg.intra_bw!r} must be a positive number of bytes/s, e.g. 2GB/s")
     parse_systems(cfg)

@@ -44,6 +44,8 @@ def run_summary(run: dict) -> list[str]:
         verdict = "the measured best" if gap <= 0 else \
             f"{gap * 100:.1f}% slower than the best ({'within' if gap <= 0.05 else 'outside'} 5%)"
         same = f", the same run as {auto['same_as']}" if auto["same_as"] else ""
+        if auto.get("whole_intervals") is False:      # [Note: outer step time]
+            verdict = "not comparable: the timed rounds hold part of its sync interval (raise --steps-per-round)"
         lines.append(f"- planner's pick (auto): {auto['plan']}{same}: {verdict}")
     return lines
 
@@ -139,7 +141,8 @@ def render_markdown(results: dict, command: str | None = None) -> str:
         + f", {mode}",
         f"- {cfg['rounds']} interleaved rounds x {cfg['steps_per_round']} steps per system after {cfg['warmup']} "
         "warm-up step(s)" + (" and, once every system was built, one more untimed step each" if cfg["warmup"] else "")
-        + "; step time = median over timed steps of the slowest rank",
+        + "; step time = median over timed steps of the slowest rank (an outer-sync plan's: the mean, which holds "
+        "its syncs)",
         f"- the planner's cluster: node tier {links.get('intra_bw', 0) / 1e9:.3g} GB/s and "
         f"{links.get('intra_latency', 0) * 1e6:.0f} us per rank, uncapped inter-node "
         f"{links.get('inter_bw', 0) / 1e9:.3g} GB/s and {links.get('inter_latency', 0) * 1e6:.0f} us per rank"
@@ -200,7 +203,7 @@ def plot(results: dict, out: Path, prefix: str = "") -> list[Path]:
         ax.set_xticks(range(len(rates)), [r if r != "none" else "none (uncapped)" for r in rates])
         ax.set_yscale("log")
         ax.set_xlabel("inter-node rate (per link and direction)")
-        ax.set_ylabel("median step time (ms)")
+        ax.set_ylabel("step time (ms)")
         ax.set_title(f"{size}, accum {accum}")
         ax.grid(True, which="both", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()

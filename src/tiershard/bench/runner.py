@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from .config import (CHECK_TOLERANCE, COMPUTE, PARAM_BYTES, PEERS, REDUCE_BYTES, REFERENCES, RESULT_PREFIX,
                      BenchConfig, BenchError, System, check_config, deepspeed_note, model_config, parse_systems,
-                     rate_settings, tier_sizes)
+                     rate_settings, sync_interval, tier_sizes)
 from .rank import rank_job
 
 if TYPE_CHECKING:
@@ -234,10 +234,13 @@ def summarize(cfg: BenchConfig, systems: list[System], ranks: list[dict], accum:
         key = s.same_as or s.label
         mine = first[key]
         timed = sum(r["steps"] for r in mine["rounds"])
-        step = _median(mine["step_times"])
+        interval = sync_interval(plans.get(s.label)) if s.ours else None
+        # an outer sync lands in one step of its interval: the mean holds it, the median would not
+        step = statistics.mean(mine["step_times"]) if interval else _median(mine["step_times"])
         row = {"system": s.label, "runner": s.runner if not s.same_as else f"tiershard:{plans[s.label]}",
                "plan": plans.get(s.label) if s.ours else None, "peer": None if s.ours else PEERS[s.label],
-               "same_as": s.same_as, "step_s": step, "step_times": mine["step_times"],
+               "same_as": s.same_as, "step_s": step, "step_stat": "mean" if interval else "median",
+               "whole_intervals": None if not interval else cfg.steps_per_round % interval == 0, "step_times": mine["step_times"],
                "tokens_per_s": tokens / step, "final_loss": mine["losses"][-1] if mine["losses"] else None,
                "losses": mine["losses"], "timed_steps": timed,
                "peak_bytes": max((r["systems"][key]["peak_bytes"] or 0) for r in ranks) or None,
@@ -379,7 +382,8 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
                     for s in systems:
                         if s.plan == "auto":
                             pick = cost.auto_plan(spec_model, cost_cluster(cfg, links, bits, calibration, node_bits),
-                                                  cost_job(cfg, accum))
+                                                  cost_job(cfg, accum), allow_lossy=cfg.allow_lossy,
+                                                  outer=cfg.allow_outer)
                             plans[s.label] = str(pick)
                             twin = next((o.label for o in systems if o.ours and o.plan == str(pick)), None)
                             s = replace(s, runner=f"tiershard:{pick}", same_as=twin)

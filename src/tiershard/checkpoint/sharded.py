@@ -549,9 +549,11 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         reader.read_metadata()
         extra = _read_extra(path, rank, world, manifest)
         reducers = _read_reducers(path, rank, world, manifest, engine)
+        _check_islands(path, manifest, engine)
     except CheckpointError as err:
         error = str(err)
-    state = _state(model, optimizer)
+    state = _state(model, optimizer, None if reader is None or reader.metadata is None else
+                   reader.metadata.state_dict_metadata)
     if error is None and strict:
         error = _mismatch(path, reader.metadata, state)
     _agree(error, group)
@@ -563,16 +565,19 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         if isinstance(inner, CheckpointError):
             raise CheckpointError(str(inner)) from None
         raise CheckpointError(f"checkpoint {path} does not fit this model: {_first_failure(err)}") from None
-    model_state, options = state["model"], None
+    prefix, own = _own(state, engine)
+    model_state, options = own["model"], None
     if not strict:    # what the checkpoint lacks is not loaded: it keeps its value, and a parameter of a meta-built
         saved = reader.metadata.state_dict_metadata      # model that waits for a load goes on waiting
-        model_state = {k: v for k, v in model_state.items() if f"model.{k}" in saved}
+        model_state = {k: v for k, v in model_state.items() if f"{prefix}model.{k}" in saved}
         options = StateDictOptions(strict=False)
     if optimizer is None:
         set_model_state_dict(model, model_state, options=options)
     else:
-        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=state["optim"],
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=own["optim"],
                        options=options)
+    if engine.outer is not None:
+        engine.outer.loaded(state["outer"])
     for group, reducer in zip(engine.groups(), reducers):
         if group.qgz is not None:
             group.qgz.load_state_dict(reducer)
@@ -655,13 +660,55 @@ def _first_failure(err: BaseException) -> str:
     return f"{type(err).__name__}: {text.splitlines()[-1]}" if text else type(err).__name__
 
 
-def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
-    """What DCP saves and loads: torch's own state dicts, keyed by the module's parameter names."""
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, saved=None) -> dict:
+    """What DCP saves and loads: torch's own state dicts, keyed by the module's parameter names; with outer sync
+    ([Note: islands in checkpoints]) under the island's key, beside the outer state. ``saved``: the checkpoint's
+    keys, when loading (which corrections of a streamed sync it holds)."""
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    _init_optimizer_state(optimizer)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd}
+        state = {"model": get_model_state_dict(model)}
+    else:
+        _init_optimizer_state(optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    outer = _engine(model).outer
+    if outer is None:
+        return state
+    mine = f"island{outer.island}"
+    corrections = None if saved is None else \
+        [k.removeprefix(f"{mine}.outer.correction.") for k in saved if k.startswith(f"{mine}.outer.correction.")]
+    shared, island = outer.state_dict(corrections)
+    return {"outer": shared, mine: {**state, "outer": island}}
+
+
+# [Note: islands in checkpoints] Between two outer syncs the islands hold different masters and inner optimizer
+# states, which DCP would deduplicate as replicas of one DTensor (keeping one island's). So with outer sync each
+# island's model and optimizer state sit under ``island<I>.`` (DCP reshards them inside the island, under any
+# inner topology and plan), and the outer state every island shares under ``outer.`` ([Note: outer state in
+# checkpoints], runtime/outer.py). Such a checkpoint loads only with the same number of islands.
+def _own(state: dict, engine) -> tuple[str, dict]:
+    """(key prefix, the dict holding "model" and "optim") of this rank's part of ``_state``."""
+    if engine.outer is None:
+        return "", state
+    mine = f"island{engine.outer.island}"
+    return f"{mine}.", state[mine]
+
+
+def _check_islands(path: Path, manifest: dict, engine) -> None:
+    """Raise unless the checkpoint and the model agree on outer sync and on the number of islands."""
+    sizes = manifest.get("topology") or [1]
+    saved = "outer=" in str(manifest.get("plan", ""))
+    theirs = sizes[-1] // sizes[-2] if len(sizes) > 1 else 1
+    if engine.outer is None and saved:
+        raise CheckpointError(f"checkpoint {path} was saved with outer sync ({manifest.get('plan')}): its islands "
+                              "hold their own states; load it into a plan with +outer over the same "
+                              f"{theirs} islands")
+    if engine.outer is not None and not saved:
+        raise CheckpointError(f"checkpoint {path} was saved without outer sync ({manifest.get('plan')}): load it "
+                              "into that plan, then copy its weights over (ts.full_state_dict / "
+                              "ts.load_full_state_dict) to start outer sync from them")
+    if engine.outer is not None and theirs != engine.outer.islands:
+        raise CheckpointError(f"checkpoint {path} holds {theirs} islands but this topology has "
+                              f"{engine.outer.islands}: load it with {theirs} islands (the inner tiers may differ)")
 
 
 @torch.no_grad()

@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 from ..bench import DEFAULT_SYSTEMS, PEERS
+from ..bench.config import SLOW_WORLD
 from . import CliError
 from .plan import one_line_errors
 
@@ -52,6 +53,14 @@ def add_parser(subparsers) -> None:
                    help="inter-node caps, tc rates (250mbit, 1gbit, ..., none); default 250mbit,1gbit,none. With "
                         "--tiers: settings separated by ';', each a comma list of one rate per tier, innermost (none) "
                         "first, e.g. 'none,2gbit,250mbit;none,none,none' (default: every tier uncapped)")
+    p.add_argument("--slow-world", action="store_true",
+                   help="two islands behind a slow link: systems " + ",".join(SLOW_WORLD["systems"]) + ", rates "
+                        + ",".join(SLOW_WORLD["rates"]) + ", accum 1, " + str(SLOW_WORLD["steps_per_round"])
+                        + " steps per round (one outer period), auto with --allow-lossy --allow-outer; flags given "
+                        "explicitly win")
+    p.add_argument("--allow-lossy", action="store_true", help="let auto pick quantized plans (qwz, qgz) too")
+    p.add_argument("--allow-outer", action="store_true",
+                   help="with --allow-lossy, let auto pick outer-sync plans (+outer=H) too")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--steps-per-round", type=int, default=2, help="timed steps per system and round (default 2)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per system first (default 1)")
@@ -100,6 +109,16 @@ def config(args: argparse.Namespace):
             raise CliError(f"--intra-bw: {err}") from None
     if args.check and args.local:
         raise CliError("--check compares NIC counters, which --local does not have: drop --local (as root) or --check")
+    if args.slow_world:
+        if args.tiers:
+            raise CliError("--slow-world is two tiers, islands of --ranks-per-node ranks: drop --tiers")
+        for flag, key, value in (("systems", "systems", ",".join(SLOW_WORLD["systems"])),
+                                 ("rates", "rates", ",".join(SLOW_WORLD["rates"])), ("accum", "accum", "1")):
+            if getattr(args, flag) == DEFAULTS[key]:
+                setattr(args, flag, value)
+        if args.steps_per_round == 2:
+            args.steps_per_round = SLOW_WORLD["steps_per_round"]
+        args.allow_lossy = args.allow_outer = True
     nodes, per_node, tiers = args.nodes, args.ranks_per_node, None
     rates = tuple(r.strip() for r in args.rates.split(",") if r.strip())
     if args.tiers:
@@ -118,7 +137,8 @@ def config(args: argparse.Namespace):
                        accums=_ints(args.accum, "accum"), rates=rates,
                        rounds=args.rounds, steps_per_round=args.steps_per_round, warmup=args.warmup,
                        batch_per_rank=args.batch_per_rank, seq=args.seq, seed=args.seed, local=args.local,
-                       intra_bw=intra, cluster_name=args.name, timeout=args.timeout)
+                       intra_bw=intra, cluster_name=args.name, timeout=args.timeout,
+                       allow_lossy=args.allow_lossy, allow_outer=args.allow_outer)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -71,6 +71,8 @@ def add_parser(subparsers) -> None:
     o.add_argument("--plans", help="comma-separated plans to compare instead of all, e.g. zero3,zero++,IIG")
     o.add_argument("--allow-lossy", action="store_true",
                    help="rank the quantized plans (qwz, qgz) too; they change the training numerics")
+    o.add_argument("--allow-outer", action="store_true",
+                   help="with --allow-lossy, rank the outer-sync plans (+outer=H, islands that meet every H steps) too")
     o.add_argument("--top", type=int, help="rows to show (default 10; 0 = all; --json shows all)")
     o.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
@@ -92,7 +94,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         model, cluster, job = build(args)
         candidates = [s.strip() for s in args.plans.split(",") if s.strip()] if args.plans else None
-        ranked = rank_plans(model, cluster, job, candidates, args.allow_lossy, parse_tp(args.tp))
+        if args.allow_outer and not args.allow_lossy:
+            raise ValueError("--allow-outer ranks outer-sync plans, which are lossy: add --allow-lossy")
+        ranked = rank_plans(model, cluster, job, candidates, args.allow_lossy, args.allow_outer,
+                            parse_tp(args.tp))
     except (ValueError, PlanError, TopologyError) as err:
         raise CliError(str(err)) from None
     if not ranked or not ranked[0].fits:
@@ -252,14 +257,17 @@ def render(model: ModelSpec, cluster: Cluster, job: Job, ranked: list[Estimate],
 
 def short_quality(e: Estimate) -> str:
     """``exact``, or ``lossy`` with the bits: ``w8 g8/4`` is int8 weights, int8 then int4 gradients per tier;
-    ``w4d`` is int4 weight differences (qwd)."""
+    ``w4d`` is int4 weight differences (qwd); ``outer50:f5:q4`` outer sync every 50 steps in 5 fragments, 4-bit."""
     if not e.plan.lossy:
         return "exact"
     w = re.search(r"weights int(\d+)( differences)?", e.quality)
     weights = f" w{w.group(1)}{'d' if w.group(2) else ''}" if w else ""
-    grads = e.quality.partition("gradients ")[2]
+    grads = e.quality.partition("outer sync")[0].rstrip(", ").partition("gradients ")[2]
     bits = "/".join(part.strip()[3] for part in grads.split("/")) if grads else ""
-    return f"lossy{weights}{' g' + bits if bits else ''}{' +ef' if e.plan.error_feedback and bits else ''}"
+    outer = e.plan.outer
+    sync = f" outer{outer.every}{f':f{outer.fragments}' if outer.fragments > 1 else ''}" \
+        f"{':q' + outer.codec.removeprefix('int')[0] if outer.codec else ''}" if outer else ""
+    return f"lossy{weights}{' g' + bits if bits else ''}{' +ef' if e.plan.error_feedback and bits else ''}{sync}"
 
 
 def as_json(model: ModelSpec, cluster: Cluster, job: Job, ranked: list[Estimate], shown: list[Estimate]) -> dict:

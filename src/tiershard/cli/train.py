@@ -168,22 +168,16 @@ def _auto_plan(cfg, topo) -> tuple[str, str]:
     """
     try:
         cost = importlib.import_module("tiershard.cost")
-        auto_estimate, Cluster, Tier, Job = cost.auto_estimate, cost.Cluster, cost.Tier, cost.Job
+        auto_estimate, Job = cost.auto_estimate, cost.Job
     except (ImportError, AttributeError):
         raise CliError("--plan auto needs the planner (tiershard.cost.auto_plan), which this install lacks: "
                        "give a plan such as IIG or zero3") from None
     import torch
 
+    from ..cost.presets import this_machine
     from ..train.models import GPT
 
-    if torch.cuda.is_available():
-        memory, flops = torch.cuda.get_device_properties(0).total_memory, 1e14
-    else:
-        memory, flops = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / topo.world_size, 5e10
-    bandwidths = [10e9] * (len(topo.sizes) - 1) + [1e9]
-    cluster = Cluster(tiers=tuple(Tier(name=n, size=s, bandwidth=b)
-                                  for n, s, b in zip(topo.names, topo.sizes, bandwidths)),
-                      gpu_memory=memory, peak_flops=flops, name="this machine")
+    cluster = this_machine(topo)
     width = 2 if cfg.train.precision == "bf16" else 4
     job = Job(micro_batch=cfg.train.batch, seq=cfg.model.block_size, accum=cfg.train.accum,
               param_bytes=width, reduce_bytes=width, recompute=False)

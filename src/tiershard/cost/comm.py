@@ -12,6 +12,7 @@ tiers' links run at once, so a collective takes the slowest tier's share:
     latency:  steps x (k - 1) x the largest latency of the tiers it crosses
     steps = 2 for all-reduce, else 1; all-to-all: (k - 1) pairwise steps over its tier
     codec:    qwZ/qgZ values quantized and dequantized / the cluster's measured codec rate (when known)
+    every:    a collective that runs once every H steps (the outer sync) counts 1/H of its bytes and time per step
 
 PaRO-CC needs no case of its own: ``traffic`` already splits a plan's multi-tier collectives into one phase per
 tier, so each phase pays its own tier's latency and the inter-node phase moves 1/m of the data.
@@ -105,15 +106,15 @@ def price(c: Collective, cluster: Cluster) -> Priced:
         return Priced(c, {}, {}, 0.0)
     per_link = _per_link(topo, c.kind, c.inner, c.outer, c.nbytes)
     groups = topo.world_size // k
-    tier_bytes = {t: groups * n * per_link * c.count for t, n in links}
+    tier_bytes = {t: groups * n * per_link * c.count // c.every for t, n in links}
     per_rank = {t: n * per_link / k for t, n in links}
     tiers = {t.name: t for t in cluster.tiers}
     bw_time = max(b / tiers[t].bandwidth for t, b in per_rank.items())
     steps = 2 if c.kind == "all_reduce" else 1
     latency = steps * (k - 1) * max(tiers[t].latency for t, _ in links)
     codec = c.codec_bytes / cluster.codec_rate if cluster.codec_rate else 0.0
-    return Priced(c, tier_bytes, {t: b * c.count for t, b in per_rank.items()},
-                  c.count * (bw_time + latency + codec))
+    return Priced(c, tier_bytes, {t: b * c.count / c.every for t, b in per_rank.items()},
+                  c.count * (bw_time + latency + codec) / c.every)
 
 
 def price_plan(pl: Placement, model: ModelSpec, job: Job, cluster: Cluster) -> list[Priced]:

@@ -6,6 +6,9 @@ Model states in mixed precision (reference/papers.md section 1)::
     grads   grad_bytes      x Ψ' / d_g        accumulated gradients
     optim   optimizer_bytes x Ψ' / d_os       fp32 master + Adam m, v (12 bytes)
     hpz     param_bytes     x Ψ  / d_h        one cached weight shard per hpz level h (ZeRO++ section 2.6)
+    outer   4 x (1 + [mu > 0]) x Ψ' / d_os    outer sync: the anchor and the outer momentum, fp32 beside the
+                                              masters; streamed, two more fp32 copies of the largest fragment
+                                              (the masters at the issue, then the corrections)
 
 with d the group size of the level (1 = replicated). Transient buffers: a sharded p gathers one unit at a
 time and prefetches the next (2 full units in working precision, plus an int8 receive buffer with qwz); a
@@ -60,6 +63,16 @@ class Memory:
         return out
 
 
+def outer_bytes(pl: Placement, trainable: float) -> float:
+    """Bytes per device of the outer sync's state ([Note: outer step] in runtime/outer.py), counted with the
+    optimizer's: the anchor and momentum in fp32 at the masters' level, and a streamed fragment's two copies."""
+    spec = pl.plan.outer
+    if spec is None:
+        return 0.0
+    per_copy = 4 * trainable / pl.size(pl.os)
+    return per_copy * (1 + (spec.momentum > 0) + (2 / spec.fragments if spec.fragments > 1 else 0))
+
+
 def memory(pl: Placement, model: ModelSpec, job: Job) -> Memory:
     """Peak bytes per device of ``pl`` for ``model`` trained as ``job``."""
     d = pl.size
@@ -75,7 +88,7 @@ def memory(pl: Placement, model: ModelSpec, job: Job) -> Memory:
     return Memory(
         params=job.param_bytes * psi / d(pl.p),
         grads=job.grad_bytes * psi_t / d(pl.g),
-        optimizer=job.optimizer_bytes * psi_t / d(pl.os),
+        optimizer=job.optimizer_bytes * psi_t / d(pl.os) + outer_bytes(pl, psi_t),
         hpz=sum(job.param_bytes * psi / d(h) for h in pl.hpz),
         buffers=buffers,
         activations=activations(model, job),

@@ -9,7 +9,10 @@
 
 Micro-step comm (parameter gathers, per-micro-step gradient reduction) runs beside compute and hides behind
 up to ``overlap`` of it (the cluster's measured value, ``tiershard probe``, else ``Job.overlap``). Boundary
-comm waits for the last backward: the gradient sync is fully exposed. The parameter sync after the optimizer
+comm waits for the last backward: the gradient sync is fully exposed. The outer sync ([Note: outer sync]) is its
+own term: with one fragment it blocks the step it runs in (its time / H per step, all exposed); streamed in F
+fragments, each fragment's mean (1/F of the bytes) runs behind one inner step, so per step
+``F / H x max(0, fragment time - inner step)`` is exposed. The parameter sync after the optimizer
 step runs in the next forward, each unit's inside its gather ([Note: deferred rebuild], runtime/flat.py), so
 it hides behind at most the first micro-step's forward, out of the same overlap budget. The optimizer step's
 own time is left out (it is the same order for every plan that shards os alike).
@@ -17,7 +20,10 @@ own time is left out (it is the same order for every plan that shards os alike).
 [Note: quality rule] Quantized plans (qwz, qgz) change the training numerics, which step time cannot price, so the
 planner never trades quality for speed unasked: by default it generates exact plans only and its pick is the
 fastest exact plan; ``allow_lossy=True`` (``--allow-lossy``) adds the qwz / qgz plans, with bare ``qgz`` (int8
-inside, int4 on the outermost tier, rotated) as their gradient codec. Plans named in ``candidates`` are all
+inside, int4 on the outermost tier, rotated) as their gradient codec. Outer-sync plans (``+outer``) cost more
+quality than the codecs and by how much depends on H (docs/outer-sync.md), so ``--allow-lossy`` alone never picks
+them: ``outer=True`` (``--allow-outer``, with ``--allow-lossy``) adds every island-capped placement with each of
+``OUTER_CANDIDATES``. Plans named in ``candidates`` are all
 ranked as given: naming a lossy plan allows it. Every estimate carries its ``quality`` and the best one's
 ``reason`` names the choice ('fastest exact plan', 'lossy plan allowed: ...').
 """
@@ -76,7 +82,7 @@ class Estimate:
 
     @property
     def quantized(self) -> int:
-        return int(bool(self.plan.qwz)) + int(bool(self.plan.qgz))
+        return int(bool(self.plan.qwz)) + int(bool(self.plan.qgz)) + int(self.plan.outer is not None)
 
     def bytes_per_group(self, tier: str) -> float:
         """Bytes on ``tier`` per group of the tier inside it: for the world tier, ZeRO++'s bytes per node."""
@@ -123,7 +129,7 @@ def evaluate(plan: Plan | str, model: ModelSpec, cluster: Cluster, job: Job, tp:
     priced = price_plan(pl, model, job, cluster)
     compute = job.accum * compute_seconds(model, job, cluster)
     micro = sum(p.seconds for p in priced if p.micro)
-    boundary = sum(p.seconds for p in priced if not p.micro)
+    boundary = sum(p.seconds for p in priced if not p.micro and p.collective.op != "outer_sync")
     overlap = job.overlap if cluster.overlap is None else cluster.overlap
     sync = sum(p.seconds for p in priced if p.collective.op == "param_sync")
     hidden = min(sync, overlap * forward_seconds(model, job, cluster))
@@ -136,10 +142,11 @@ def evaluate(plan: Plan | str, model: ModelSpec, cluster: Cluster, job: Job, tp:
         for tier, b in p.per_rank.items():
             tier_seconds[tier] += b / bandwidth[tier]
     sizes = (1, *(t.size for t in cluster.tiers))
+    inner = compute + max(0.0, micro + hidden - overlap * compute) + boundary - hidden
     return Estimate(
         plan=plan, memory=memory(pl, model, job), capacity=cluster.gpu_memory * (1 - job.memory_reserve),
         tier_bytes=tier_bytes, tier_seconds=tier_seconds, compute=compute, comm_micro=micro,
-        comm_boundary=boundary, step_time=compute + max(0.0, micro + hidden - overlap * compute) + boundary - hidden,
+        comm_boundary=boundary, step_time=inner + _outer_exposed(plan, priced, inner),
         world=cluster.world_size, group_sizes={t.name: s for t, s in zip(cluster.tiers, sizes)},
         model_flops=job.accum * job.tokens * (4 * model.params + 2 * model.trainable), overlap=overlap,
         quality=pl.quality)
@@ -159,9 +166,25 @@ def _with_tp(e: Estimate, model: ModelSpec, cluster: Cluster, job: Job, tp: int)
                    comm_tp=seconds)
 
 
-def candidate_plans(topology: Topology, options: bool = True, lossy: bool = True) -> list[Plan]:
+def _outer_exposed(plan: Plan, priced: Sequence[Priced], inner_step: float) -> float:
+    """Seconds per step the outer sync adds to the inner step ([Note: overlap model])."""
+    per_step = sum(p.seconds for p in priced if p.collective.op == "outer_sync")   # already / H
+    if plan.outer is None or not per_step:
+        return 0.0
+    spec = plan.outer
+    if spec.fragments == 1:
+        return per_step
+    fragment = per_step * spec.every / spec.fragments          # one fragment's mean
+    return spec.fragments / spec.every * max(0.0, fragment - inner_step)
+
+
+OUTER_CANDIDATES = ("50", "50:f5", "50:int4:128:h", "50:f5:int4:128:h")   # what allow_lossy adds ([Note: quality rule])
+
+
+def candidate_plans(topology: Topology, options: bool = True, lossy: bool = True, outer: bool = False) -> list[Plan]:
     """Every placement of p, g, os over the topology's levels, with every hpz / cc option that applies, and with
-    ``lossy`` the qwz (int8) and qgz (bare ``qgz``, per-hop int8/int4) options too ([Note: quality rule])."""
+    ``lossy`` the qwz (int8) and qgz (bare ``qgz``, per-hop int8/int4) options too, and with ``lossy`` and
+    ``outer`` the outer-sync plans ([Note: quality rule])."""
     top = topology.num_levels - 1
     names = {0: "N", top: "G"}
     if top >= 2:
@@ -180,6 +203,12 @@ def candidate_plans(topology: Topology, options: bool = True, lossy: bool = True
                 (None, QGZ_DEFAULT) if (g or os_) and lossy else (None,),
                 (False, True) if top >= 2 else (False,)):
             out.append(base.with_options(hpz=hpz, qwz=qwz, qgz=qgz, cc=cc))
+    if lossy and outer and top >= 2:         # outer sync: islands train the capped placements, each once
+        seen = set()
+        for p, g, os_ in itertools.product(range(top), repeat=3):
+            if (p, g, os_) not in seen:
+                seen.add((p, g, os_))
+                out += [Plan(p=levels[p], g=levels[g], os=levels[os_], outer=spec) for spec in OUTER_CANDIDATES]
     return out
 
 
@@ -240,17 +269,20 @@ def choice(best: Estimate, allow_lossy: bool) -> str:
 
 
 def rank_plans(model: ModelSpec, cluster: Cluster, job: Job, candidates: Iterable[Plan | str] | None = None,
-               allow_lossy: bool = False, tp: Iterable[int] = (1,)) -> list[Estimate]:
+               allow_lossy: bool = False, outer: bool = False, tp: Iterable[int] = (1,)) -> list[Estimate]:
     """Estimates of every candidate at every TP degree in ``tp``, best first ([Note: tie rule]), each with the
     reason it loses to the best.
 
     Without ``candidates`` every plan of ``candidate_plans`` is ranked (on the tiers left outside the TP groups),
-    the lossy ones (qwz, qgz) only when ``allow_lossy`` ([Note: quality rule]); named ``candidates`` are all
-    ranked."""
+    the lossy ones (qwz, qgz) only when ``allow_lossy``, the outer-sync ones only with ``outer`` too ([Note: quality
+    rule]); named ``candidates`` are all ranked."""
+    if outer and not allow_lossy:
+        raise ValueError("outer-sync plans are lossy: allow them with allow_lossy=True (--allow-lossy) as well")
     named = None if candidates is None else [Plan.parse(c) if isinstance(c, str) else c for c in candidates]
     estimates = []
     for degree in dict.fromkeys(tp):
-        plans = candidate_plans(tp_cluster(cluster, degree).topology, lossy=allow_lossy) if named is None else named
+        plans = candidate_plans(tp_cluster(cluster, degree).topology, lossy=allow_lossy, outer=outer) \
+            if named is None else named
         for plan in plans:
             try:
                 estimates.append(evaluate(plan, model, cluster, job, tp=degree))
@@ -330,7 +362,7 @@ def _is_module(model: object) -> bool:
 
 def auto_plan(model: object, cluster: Cluster, job: Job | None = None, *,
               candidates: Sequence[Plan | str] | None = None, wrap: object = None, allow_lossy: bool = False,
-              tp: Iterable[int] | None = None) -> Plan:
+              outer: bool = False, tp: Iterable[int] | None = None) -> Plan:
     """The fastest exact plan that fits in memory, or with ``allow_lossy`` the fastest of all, qwz / qgz plans
     included ([Note: quality rule]); ties (times within ``REL_TIE``) go to less quantization, then less TP, fewer
     outermost-tier bytes, less memory, fewer options, the plan text ([Note: tie rule]). Raises NoPlanFits.
@@ -341,7 +373,8 @@ def auto_plan(model: object, cluster: Cluster, job: Job | None = None, *,
 
     A torch module is counted unit by unit as ``ts.shard(model, ..., wrap=wrap)`` would cut it (the same
     default for ``wrap=None``), so pass the ``wrap`` you will shard with."""
-    best = auto_estimate(model, cluster, job, candidates=candidates, wrap=wrap, allow_lossy=allow_lossy, tp=tp)
+    best = auto_estimate(model, cluster, job, candidates=candidates, wrap=wrap, allow_lossy=allow_lossy,
+                         outer=outer, tp=tp)
     if tp is None and best.tp > 1:
         raise NoPlanFits(f"no plan fits without tensor parallelism; {best.label} fits ({best.reason}): parallelise "
                          f"the model over TP groups of {best.tp} ranks (docs/parallelism.md) and plan with "
@@ -351,7 +384,7 @@ def auto_plan(model: object, cluster: Cluster, job: Job | None = None, *,
 
 def auto_estimate(model: object, cluster: Cluster, job: Job | None = None, *,
                   candidates: Sequence[Plan | str] | None = None, wrap: object = None,
-                  allow_lossy: bool = False, tp: Iterable[int] | None = None) -> Estimate:
+                  allow_lossy: bool = False, outer: bool = False, tp: Iterable[int] | None = None) -> Estimate:
     """``auto_plan``'s choice as an Estimate; its ``reason`` names the choice, e.g. 'fastest exact plan', and its
     ``tp`` the TP degree. Without ``tp``, TP degrees are weighed only when no plan fits without them."""
     if not isinstance(cluster, Cluster):
@@ -359,9 +392,9 @@ def auto_estimate(model: object, cluster: Cluster, job: Job | None = None, *,
                         "e.g. tiershard.cost.presets.preset('dgx-a100', gpus=64)")
     spec = coerce_model(model, wrap)
     job = job or Job()
-    ranked = rank_plans(spec, cluster, job, candidates, allow_lossy, (1,) if tp is None else tp)
+    ranked = rank_plans(spec, cluster, job, candidates, allow_lossy, outer, (1,) if tp is None else tp)
     if tp is None and (not ranked or not ranked[0].fits) and len(tp_degrees(cluster)) > 1:
-        with_tp = rank_plans(spec, cluster, job, candidates, allow_lossy, tp_degrees(cluster))
+        with_tp = rank_plans(spec, cluster, job, candidates, allow_lossy, outer, tp_degrees(cluster))
         if with_tp and with_tp[0].fits:
             best = with_tp[0]
             return replace(best, reason=f"no plan fits without tensor parallelism; {best.reason}")

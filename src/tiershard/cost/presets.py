@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from typing import Callable, Mapping
 
+from ..topology import Topology
 from .specs import Cluster, Tier
 
 _BYTES = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
@@ -89,6 +90,25 @@ def preset(name: str, gpus: int | None = None) -> Cluster:
         raise ValueError(f"unknown cluster {name!r}: use one of {', '.join(PRESETS)}, or give --tiers / a file")
     make, default = PRESETS[name]
     return make(default if gpus is None else gpus)
+
+
+def this_machine(topology: Topology) -> Cluster:
+    """The cluster ``--plan auto`` assumes when nothing was probed: ``topology``'s tiers, 10 GB/s inside a node and
+    1 GB/s between nodes, this device's memory (a GPU's, else an even share of RAM) and a round peak rate.
+
+    The bandwidths are an assumption (emulated nodes share one machine): ``tiershard probe`` measures them."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        memory, flops = torch.cuda.get_device_properties(0).total_memory, 1e14
+    else:
+        memory, flops = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / topology.world_size, 5e10
+    bandwidths = [10e9] * (len(topology.sizes) - 1) + [1e9]
+    return Cluster(tiers=tuple(Tier(name=n, size=s, bandwidth=b)
+                               for n, s, b in zip(topology.names, topology.sizes, bandwidths)),
+                   gpu_memory=memory, peak_flops=flops, name="this machine")
 
 
 def parse_tiers(text: str) -> tuple[Tier, ...]:

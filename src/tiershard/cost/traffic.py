@@ -17,6 +17,11 @@ level ``L`` and top = world:
                          g = os: all-reduce over (g -> top) of S/d(g)
                          g > os: all-reduce over (g -> top) of S/d(g), then all-gather over (os -> g)
     after the step       p < os: all-gather over (p -> os) of S/d(p) x param bytes
+    every H steps        outer sync ([Note: outer sync] in plan.py): the levels above are capped at the island
+                         (top = the tier below world); then over the islands' cross group (top -> world) an
+                         all-reduce of S/d(os) fp32 values, or with a codec an all-gather of each member's encoding
+                         of them (``every = H``: bytes per step are the sync's / H; a fragment's share is the same
+                         bytes, at another step)
 
 With qwz every parameter gather moves the int8 encodings of the d(p) chunks (payload plus fp32 scales) instead
 of param bytes. With qwd (which needs hpz) the gather from level p sends, over the tiers from the outermost hpz
@@ -53,6 +58,7 @@ class Collective:
     nbytes: int
     count: int = 1
     codec_bytes: int = 0    # bytes of values this rank's codec encodes and decodes (qwZ, qgZ); 0 = none
+    every: int = 1          # runs once every ``every`` optimizer steps (the outer sync's period)
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,7 @@ class FlatGroupShape:
 def group_collectives(pl: "Placement", shape: FlatGroupShape, param_bytes: int, reduce_bytes: int,
                       micro_steps: int = 1) -> list[Collective]:
     """The collectives of one flat group over one optimizer step of ``micro_steps`` micro-steps."""
-    top = pl.topology.num_levels - 1
+    top = pl.dp_level
     S, d = shape.numel, pl.size
     out: list[Collective] = []
     qwz, qgz = plan_codecs(pl)
@@ -130,10 +136,23 @@ def group_collectives(pl: "Placement", shape: FlatGroupShape, param_bytes: int, 
             out.append(Collective("grad_sync", "all_gather", pl.os, pl.g, S // d(pl.os) * reduce_bytes))
     if pl.p < pl.os:
         out.append(Collective("param_sync", "all_gather", pl.p, pl.os, S // d(pl.p) * param_bytes))
+    outer = pl.plan.outer
+    if outer is not None:
+        n, world = S // d(pl.os), pl.topology.num_levels - 1
+        if outer.codec is None:
+            out.append(Collective("outer_sync", "all_reduce", top, world, n * 4, every=outer.every))
+        else:
+            from ..comm.codecs import codec_from_spec
+
+            islands = d(world) // d(top)
+            out.append(Collective("outer_sync", "all_gather", top, world,
+                                  islands * codec_from_spec(outer.codec).wire_bytes(n), 1, 4 * n * (islands + 1),
+                                  every=outer.every))
     if pl.plan.cc:
         quantized_gathers = {"param_gather", "param_gather_backward"} if qwz is not None else set()
         out = [hop for c in out for hop in
-               ([c] if c.op in quantized_gathers | {"param_diff"} or c.kind == "all_to_all" else _phases(c, d))]
+               ([c] if c.op in quantized_gathers | {"param_diff", "outer_sync"} or c.kind == "all_to_all"
+         else _phases(c, d))]
     return [c for c in out if c.count > 0 and pl.size(c.outer) > pl.size(c.inner)]
 
 
@@ -164,14 +183,15 @@ def step_collectives(pl: "Placement", shapes: Iterable[FlatGroupShape], param_by
 
 
 def rank_traffic(collectives: Sequence[Collective], topology: "Topology", rank: int) -> dict:
-    """Bytes ``rank`` sends, as ``comm_stats`` reports them: {"tiers": {...}, "ops": {...}}."""
+    """Bytes ``rank`` sends, as ``comm_stats`` reports them: {"tiers": {...}, "ops": {...}} (per step: a
+    collective that runs every H steps counts 1/H of its bytes)."""
     tiers: dict[str, int] = {}
     ops: dict[str, int] = {}
     for c in collectives:
         ranks = topology.cross_ranks(rank, c.inner, c.outer)
-        part = rank_bytes(c.kind, ranks, c.nbytes, rank, topology)
-        add_into(tiers, part, c.count)
-        ops[c.op] = ops.get(c.op, 0) + sum(part.values()) * c.count
+        part = {t: b * c.count // c.every for t, b in rank_bytes(c.kind, ranks, c.nbytes, rank, topology).items()}
+        add_into(tiers, part)
+        ops[c.op] = ops.get(c.op, 0) + sum(part.values())
     return {"tiers": tiers, "ops": ops}
 
 

@@ -22,7 +22,9 @@ from ..plan import Plan
 from ..topology import Topology, TopologyError
 from .engine import Engine, Unit
 from .flat import FlatGroup, wait_for_copies
+from .guards import guard_wrappers
 from .layout import ParamLayout, finest_chunks
+from .outer import OuterSync
 from .materialize import InitFn, Unloaded, materialize, tie_empty_weights
 from .tensor_parallel import TPSpec
 from .wrap import WrapPolicy, find_units
@@ -126,9 +128,13 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
         _broadcast_buffers(model)
         for group in engine.groups():
             group.sync_params()
+    if plan.outer is not None:
+        engine.outer = OuterSync(plan.outer, placement, [g for g in engine.groups() if g.trainable],
+                                 seed=torch.initial_seed())
     model._tiershard = engine
     _guard_save_pretrained(model)
     _guard_load_state_dict(model)
+    guard_wrappers(model, no_sync)
     for module in model.modules():           # .to / .half / .float / .cuda / ... of the model or any submodule
         module._apply = types.MethodType(_sharded_apply, module)
     model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: engine.settle())
@@ -220,8 +226,10 @@ def _sharded_apply(self: nn.Module, fn, recurse: bool = True) -> nn.Module:
     not hold (a cast dies in the next backward, a move in a later gather, ``to_empty`` trains on garbage).
 
     ``fn`` is tried on a one-element tensor of each (dtype, device) the module holds; if it returns that very
-    tensor everywhere the call changes nothing and returns the module (``.to("cpu")`` on a CPU model,
-    ``.float()`` on fp32 masters); anything else raises, naming the fix, before a tensor has changed."""
+    tensor, or a copy of it on the same device with the same dtype and value, everywhere, the call changes nothing
+    and returns the module (``.to("cpu")`` or ``.to("cpu:0")`` on a CPU model, as ``transformers.Trainer`` and
+    Lightning do, ``.float()`` on fp32 masters); anything else raises, naming the fix, before a tensor has
+    changed."""
     qualname = getattr(fn, "__qualname__", "").split(".")
     call = f"{type(self).__name__}.{qualname[1] if len(qualname) > 2 and qualname[0] == 'Module' else '_apply'}()"
     moves, casts, replaced = set(), set(), False
@@ -241,8 +249,8 @@ def _sharded_apply(self: nn.Module, fn, recurse: bool = True) -> nn.Module:
             moves.add(f"{device} to {out.device}")
         elif out.dtype != dtype:
             casts.add(f"{dtype} to {out.dtype}")
-        else:
-            replaced = True
+        elif "to_empty" in qualname or not torch.equal(out, probe):
+            replaced = True             # a copy of equal value (``.to("cpu:0")`` on the CPU) changes nothing
     if moves:
         raise RuntimeError(f"{call} would move a sharded model ({', '.join(sorted(moves))}); its shards and process "
                            f"groups stay where ts.shard put them: {_DEVICE_FIX}. Nothing was changed")

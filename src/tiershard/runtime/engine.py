@@ -65,6 +65,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..comm.stream import stream_for
+from .outer import OuterSync
 from .flat import FlatGroup, MemoryGauge, wait_for_copies
 
 if TYPE_CHECKING:
@@ -261,6 +262,7 @@ class Engine:
         self.sync_grads = True
         self._backward_queued = False
         self.gauge = MemoryGauge()          # high-water marks of gathered weights ([Note: memory breakdown])
+        self.outer: OuterSync | None = None     # +outer=H: the islands' outer sync ([Note: outer step], outer.py)
         _ENGINES.append(weakref.ref(self))
         _install_step_hook()
 
@@ -340,10 +342,16 @@ class Engine:
         self._backward_queued = False
 
     def sync_stepped(self, stepped: set[int]) -> None:
-        """Mark stale the working copies of every group whose masters an optimizer just stepped."""
+        """Mark stale the working copies of every group whose masters an optimizer just stepped; with outer sync,
+        count the step first, and drop every derived copy of the groups its outer step moved."""
         self.settle()
+        moved = set()
+        if self.outer is not None and any(id(m) in stepped for g in self.outer.groups for m in g.masters):
+            moved = self.outer.after_step()
         for group in self.groups():
-            if any(id(m) in stepped for m in group.masters):
+            if id(group) in moved:
+                group.sync_params()
+            elif any(id(m) in stepped for m in group.masters):
                 group.sync_params(step=True)
 
 

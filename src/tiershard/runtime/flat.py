@@ -671,15 +671,16 @@ class FlatGroup:
         until the device is past it)."""
         pl = self.pl
         full = matrix[0]
-        # the DDP mean: divide by the world size before an fp16 sum can overflow, else while accumulating
-        early = self.reduce_dtype == torch.float16
+        # the DDP mean over the ranks that average (the world; an island with outer sync): divide before an fp16
+        # sum can overflow, else while accumulating
+        early, ranks = self.reduce_dtype == torch.float16, self.size(pl.dp_level)
         if early:
-            full.div_(self.W)
+            full.div_(ranks)
         reduced = full if pl.g == 0 else self._reduce_scatter(full, 0, pl.g, "grad_reduce")
         del full
         if self.device.type == "cpu":
             matrix.clear()
-        scale = 1.0 if early else 1.0 / self.W
+        scale = 1.0 if early else 1.0 / ranks
         if self.grad_acc is None:      # a fresh buffer either way: adopt it
             self.grad_acc = reduced.to(torch.float32)
             if scale != 1.0:
@@ -757,8 +758,9 @@ class FlatGroup:
             C.all_reduce(buf, self.group(inner, outer), self.topo, op)
 
     def _sync_grads(self) -> None:
-        """At the accumulation boundary: finish the reduction over the world, at level os, into the masters' grads."""
-        pl, top = self.pl, self.topo.num_levels - 1
+        """At the accumulation boundary: finish the reduction over the world (the island with outer sync), at level
+        os, into the masters' grads."""
+        pl, top = self.pl, self.pl.dp_level
         # the masters' gradients may be views of the accumulator: hand it over, the next micro-step starts anew
         acc, self.grad_acc = self.grad_acc, None
         if pl.g == pl.os == top:       # reduced over the world already: the fp32 sum is the gradient (a round
