@@ -71,3 +71,51 @@ def pattern_batches(seed: int, steps: int, world: int, per_rank: int = 4, seq: i
         stride = torch.randint(1, 4, (world * per_rank, 1), generator=g)
         out.append((start + stride * torch.arange(seq + 1)) % vocab)
     return out
+
+
+class TPBlock(nn.Module):
+    """A pre-norm MLP block laid out for tensor parallelism with sequence parallelism (``tp_plan``)."""
+
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class TPNet(nn.Module):
+    """Embedding, MLP blocks, norm and head, with odd sizes: TP shards of 19/18 vocabulary rows and 18 hidden
+    rows, which the tiers cut unevenly again. (The hidden size is even: a row-parallel layer's input is rebuilt
+    from its local shard as if TP cut it evenly, so torch's TP takes no uneven hidden size.)"""
+
+    def __init__(self, vocab: int = 37, d: int = 8, hidden: int = 36, layers: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(TPBlock(d, hidden) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def tp_plan(model: TPNet, loss_parallel: bool = False) -> dict:
+    """torchtitan's layout on ``TPNet``: a vocab-parallel embedding into a sequence-sharded residual stream,
+    sequence-parallel norms, column- then row-parallel MLPs, a column-parallel head (its logits sharded over the
+    vocabulary with ``loss_parallel``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    plan = {"emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                    use_local_output=not loss_parallel)}
+    for i in range(len(model.blocks)):
+        plan[f"blocks.{i}.norm"] = SequenceParallel()
+        plan[f"blocks.{i}.up"] = ColwiseParallel(input_layouts=Shard(1))
+        plan[f"blocks.{i}.down"] = RowwiseParallel(output_layouts=Shard(1))
+    return plan

@@ -5,6 +5,16 @@ A topology is an ordered list of nested tier sizes, innermost first, the last be
 out tier-contiguously. A *level* is an index into ``(1, *sizes)``: level 0 is ``N`` (a group of one rank),
 level ``k`` is the group of tier ``k - 1``.
 
+[Note: tensor parallelism is not a tier] ``Topology(sizes, tp=k)`` makes each position of the tiers a group of
+``k`` adjacent ranks that run tensor parallelism together (torch's ``parallelize_module`` over ``tp_mesh``). The
+tiers then count data-parallel positions, as a DeviceMesh's dims do (``init_device_mesh((dp, tp))``): global rank
+``r`` is position ``r // k`` of the tiers and TP coordinate ``r % k``, so ``Topology((2, 4), tp=2)`` is 8 ranks,
+nodes of 4 (2 positions of 2 TP ranks), 2 nodes. Every rank argument below is a global rank and every group holds
+global ranks: a group of the tiers joins the ranks of one TP coordinate, so each TP coordinate runs the tiers'
+collectives on its own copy of the groups, and nothing of the engine ever crosses a TP group. ``mesh`` gains a
+first dim ``"tp"`` (innermost, as the tiers are ordered), which is why nested ``Shard`` placements on it and on
+the tiers need no ``_StridedShard`` (docs/parallelism.md).
+
 [Note: ownership map] A state sharded at level ``k`` is cut into ``size(k)`` equal chunks. The chunk a rank
 holds is its position inside its level-``k`` group written with the *innermost digit most significant*
 (see ``chunk_index``). With that map, every finer shard a rank holds (a larger group) lies inside every coarser
@@ -175,7 +185,8 @@ class Topology:
     comm/failure.py). It is independent of the default process group's timeout.
     """
 
-    def __init__(self, sizes: Sequence[int], names: Sequence[str] | None = None, timeout: float | None = None):
+    def __init__(self, sizes: Sequence[int], names: Sequence[str] | None = None, timeout: float | None = None,
+                 tp: int = 1):
         sizes = tuple(int(s) for s in sizes)
         if not sizes:
             raise TopologyError("a topology needs at least one tier, e.g. Topology((2, 4)) for 2 nodes of 2 ranks")
@@ -191,9 +202,10 @@ class Topology:
         names = tuple(names)
         if len(names) != len(sizes):
             raise TopologyError(f"{len(sizes)} tier sizes {sizes} but {len(names)} names {names}")
-        if len(set(names)) != len(names) or any(n in ("N", "I", "G", "") for n in names):
-            raise TopologyError(f"tier names must be distinct and not N, I or G: {names}")
+        if len(set(names)) != len(names) or any(n in ("N", "I", "G", "", "tp") for n in names):
+            raise TopologyError(f"tier names must be distinct and not N, I, G or tp: {names}")
         self.sizes = sizes
+        self.tp = _checked_tp(tp)
         self.names = names
         self.timeout = collective_timeout(timeout)
         self._control: TierGroup | None = None
@@ -203,14 +215,16 @@ class Topology:
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
-    def from_env(cls, names: Sequence[str] | None = None, timeout: float | None = None) -> "Topology":
+    def from_env(cls, names: Sequence[str] | None = None, timeout: float | None = None,
+                 tp: int = 1) -> "Topology":
         """Tiers from the launcher: ``TIERSHARD_TOPOLOGY`` ("2,8,64") if set, else (ranks per node, world).
 
         The world is the initialised process group's size (collectives run on it), else ``WORLD_SIZE`` (torchrun,
         Ray Train, PyTorchJob), else ``SLURM_NTASKS`` (srun); a ``WORLD_SIZE`` that disagrees with the process
         group (Kubeflow's older PyTorchJob counts pods) gives a warning naming both. Ranks per node come from
         ``LOCAL_WORLD_SIZE``, else Slurm's counts when Slurm started every rank; when nothing says, a
-        ``TopologyError`` names the variables looked for and the fix (docs/launchers.md).
+        ``TopologyError`` names the variables looked for and the fix (docs/launchers.md). With ``tp`` the counts of
+        ranks are divided by it (the tiers count TP groups); ``TIERSHARD_TOPOLOGY`` counts them already.
         """
         spec = os.environ.get("TIERSHARD_TOPOLOGY")
         if spec:
@@ -218,7 +232,7 @@ class Topology:
                 sizes = tuple(int(s) for s in spec.replace("x", ",").split(","))
             except ValueError:
                 raise TopologyError(f"TIERSHARD_TOPOLOGY={spec!r} is not a list of sizes like '2,8,64'") from None
-            return cls(sizes, names, timeout)
+            return cls(sizes, names, timeout, tp)
         env_world = _env_int("WORLD_SIZE")
         if env_world is not None and env_world < 1:
             raise TopologyError(f"WORLD_SIZE={env_world} is not a world size: the launcher sets it to the number of "
@@ -239,21 +253,37 @@ class Topology:
             if world == 1 and (_env_int("LOCAL_WORLD_SIZE") or 1) > 1:
                 raise TopologyError("LOCAL_WORLD_SIZE is set but neither WORLD_SIZE nor a process group says the "
                                     "world size: call dist.init_process_group() first, or set WORLD_SIZE")
-        return cls((_ranks_per_node_from_env(world, note), world), names, timeout)
+        per_node = _ranks_per_node_from_env(world, note)
+        if per_node % _checked_tp(tp):
+            raise TopologyError(f"tp={tp} does not divide the {per_node} ranks of a node: tensor parallelism runs "
+                                f"inside the node, so pick a tp that divides {per_node}")
+        return cls((per_node // tp, world // tp), names, timeout, tp)
 
     def __repr__(self) -> str:
-        return f"Topology({self.sizes}, names={self.names})"
+        return f"Topology({self.sizes}, names={self.names}{f', tp={self.tp}' if self.tp > 1 else ''})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Topology) and (self.sizes, self.names) == (other.sizes, other.names)
+        return isinstance(other, Topology) and (self.sizes, self.names, self.tp) == (other.sizes, other.names,
+                                                                                      other.tp)
 
     def __hash__(self) -> int:
-        return hash((self.sizes, self.names))
+        return hash((self.sizes, self.names, self.tp))
 
     # ---- arithmetic (no process group needed) -------------------------------------------------
     @property
     def world_size(self) -> int:
+        """Positions of the outermost tier: the data-parallel world (the ranks too, without tensor parallelism)."""
         return self.sizes[-1]
+
+    @property
+    def num_ranks(self) -> int:
+        """Every rank: the data-parallel world times ``tp``."""
+        return self.sizes[-1] * self.tp
+
+    def tp_ranks(self, rank: int) -> tuple[int, ...]:
+        """The tensor-parallel group of ``rank``: ``tp`` adjacent ranks."""
+        start = rank - rank % self.tp
+        return tuple(range(start, start + self.tp))
 
     @property
     def num_levels(self) -> int:
@@ -282,9 +312,9 @@ class Topology:
 
     def digits(self, rank: int) -> tuple[int, ...]:
         """Mixed-radix coordinates: digit k is the rank's position among the tier-(k-1) groups inside tier k."""
-        out, radix = [], 1
+        out, radix, position = [], 1, rank // self.tp
         for size in self.sizes:
-            out.append((rank % size) // radix)
+            out.append((position % size) // radix)
             radix = size
         return tuple(out)
 
@@ -300,19 +330,24 @@ class Topology:
         return index
 
     def group_ranks(self, rank: int, level: int) -> tuple[int, ...]:
-        size = self.level_size(level)
-        start = rank - rank % size
-        return tuple(range(start, start + size))
+        """The ranks of ``rank``'s level-``level`` group (of its TP coordinate: [Note: tensor parallelism is not a
+        tier])."""
+        size, tp = self.level_size(level), self.tp
+        position = rank // tp
+        start = position - position % size
+        return tuple((start + i) * tp + rank % tp for i in range(size))
 
     def cross_ranks(self, rank: int, inner: int, outer: int) -> tuple[int, ...]:
         """Ranks in ``rank``'s level-``outer`` group that sit at its position in their level-``inner`` group."""
-        pos = rank % self.level_size(inner)
-        return tuple(r for r in self.group_ranks(rank, outer) if r % self.level_size(inner) == pos)
+        size = self.level_size(inner)
+        pos = rank // self.tp % size
+        return tuple(r for r in self.group_ranks(rank, outer) if r // self.tp % size == pos)
 
     def tier_of_link(self, a: int, b: int) -> str:
-        """The smallest tier whose group holds both ranks: the tier a byte between them is counted on."""
+        """The smallest tier whose group holds both ranks: the tier a byte between them is counted on (the
+        innermost for two ranks of one TP group)."""
         for size, name in zip(self.sizes, self.names):
-            if a // size == b // size:
+            if a // self.tp // size == b // self.tp // size:
                 return name
         raise TopologyError(f"ranks {a} and {b} are not both in {self}")
 
@@ -346,30 +381,47 @@ class Topology:
         ``placements``), then each of those chunks into its ``world / size(level)`` slots."""
         return (*self.fanouts()[:level], self.world_size // self.level_size(level))
 
-    def placements(self, level: int) -> tuple:
-        """DTensor placements over ``mesh`` of a state at ``level``: Shard(0) on the tiers below it.
+    def placements(self, level: int, tp=None) -> tuple:
+        """DTensor placements over ``mesh`` of a state at ``level``: Shard(0) on the tiers below it; with tensor
+        parallelism first the parameter's own placement on the ``tp`` dim (``tp``, default ``Replicate()``).
 
         Nested ``Shard(0)`` on mesh dims ordered innermost tier first chunk dim 0 innermost tier first, which is
         the ownership map: a rank's DTensor shard at level ``k`` is its level-``k`` chunk. (A single flattened
-        mesh dim cannot express it: its process group would order ranks by rank, not by chunk.)
+        mesh dim cannot express it: its process group would order ranks by rank, not by chunk.) The ``tp`` dim
+        comes first, so a TP shard of dim 0 is cut by the tiers after TP, as the engine cuts it.
         """
         from torch.distributed.tensor import Replicate, Shard
 
-        return tuple(Shard(0) if dim < level else Replicate() for dim in range(len(self.sizes)))
+        tiers = tuple(Shard(0) if dim < level else Replicate() for dim in range(len(self.sizes)))
+        return ((tp or Replicate()), *tiers) if self.tp > 1 else tiers
 
     def _grid(self):
-        """Ranks as a tensor whose dims are the tiers' fan-outs, innermost first: ``grid[c0, c1, ...] = rank``."""
+        """Ranks as a tensor whose dims are the tiers' fan-outs, innermost first: ``grid[c0, c1, ...] = rank``
+        (with tensor parallelism the TP coordinate first: ``grid[t, c0, c1, ...]``)."""
         import torch
 
-        grid = torch.arange(self.world_size).view(*reversed(self.fanouts()))
-        return grid.permute(*reversed(range(grid.dim()))).contiguous()
+        grid = torch.arange(self.num_ranks).view(*reversed(self.fanouts()), self.tp)
+        grid = grid.permute(*reversed(range(grid.dim()))).contiguous()
+        return grid if self.tp > 1 else grid[0]
 
     @property
     def mesh(self):
-        """The DeviceMesh whose dims are the tiers, innermost first (made by ``init_process_groups``)."""
+        """The DeviceMesh whose dims are the tiers, innermost first, after a ``"tp"`` dim when ``tp > 1`` (made by
+        ``init_process_groups``)."""
         if self._mesh is None:
             raise TopologyError("the topology has no device mesh yet: ts.shard (or init_process_groups) makes it")
         return self._mesh
+
+    @property
+    def tp_mesh(self):
+        """The 1-D DeviceMesh of this rank's tensor-parallel group: what ``parallelize_module`` takes (made by
+        ``init_process_groups``, which ``ts.shard`` calls; call it first to parallelise before sharding)."""
+        if self.tp == 1:
+            raise TopologyError(f"{self} has no tensor parallelism: declare it, e.g. Topology(sizes, tp=2)")
+        if self._mesh is None:
+            raise TopologyError("the topology has no device mesh yet: call topology.init_process_groups(device_type) "
+                                "before parallelize_module(model, topology.tp_mesh, plan)")
+        return self._mesh["tp"]
 
     # ---- process groups -----------------------------------------------------------------------
     @property
@@ -406,7 +458,14 @@ class Topology:
                     f"rank 0 declares Topology({declared[0][0]}, names={declared[0][1]}) but rank {rank} declares "
                     f"Topology({sizes}, names={names}): every rank must pass the same topology (ranks that read "
                     "different LOCAL_WORLD_SIZE values give this): declare it, e.g. TIERSHARD_TOPOLOGY=8,64")
-        if world != self.world_size:
+        if world != self.num_ranks:
+            if self.tp > 1:
+                raise TopologyError(
+                    f"{self} covers {self.world_size} x tp {self.tp} = {self.num_ranks} ranks but the world has "
+                    f"{world}: the tiers count TP groups, so make the last tier size {world // self.tp}"
+                    if world % self.tp == 0 else
+                    f"{self} covers {self.num_ranks} ranks but the world has {world}, which tp={self.tp} does not "
+                    "divide: pick a tp that divides the ranks of a node")
             raise TopologyError(
                 f"{self} covers {self.world_size} ranks but the world has {world}: "
                 f"make the last tier size {world}, e.g. Topology((ranks_per_node, {world}))")
@@ -457,11 +516,19 @@ class Topology:
         level = self.node_level()
         if level is None:
             return
-        if len(hosts) != self.world_size:
-            raise TopologyError(f"{len(hosts)} host names for the {self.world_size} ranks of {self}")
-        size, tier = self.level_size(level), self.level_name(level)
+        if len(hosts) != self.num_ranks:
+            raise TopologyError(f"{len(hosts)} host names for the {self.num_ranks} ranks of {self}")
+        for start in range(0, self.num_ranks, self.tp):
+            members = list(hosts[start:start + self.tp])
+            if len(set(members)) > 1:
+                raise TopologyError(
+                    f"the tensor-parallel group of ranks {start}-{start + self.tp - 1} of {self} spans hosts "
+                    f"{', '.join(repr(h) for h in dict.fromkeys(members))}: tensor parallelism runs inside a node, so "
+                    f"run each {self.tp} adjacent ranks on one host or pick a tp that divides the ranks per host "
+                    "(docs/parallelism.md)")
+        size, tier = self.level_size(level) * self.tp, self.level_name(level)
         problems = []
-        for start in range(0, self.world_size, size):
+        for start in range(0, self.num_ranks, size):
             members = list(hosts[start:start + size])
             if len(set(members)) > 1:
                 runs = _runs(members, start)
@@ -478,10 +545,11 @@ class Topology:
         if contiguous and per_host is None:
             hint = (f"the hosts run different numbers of ranks ({', '.join(map(str, lengths[:8]))}"
                     f"{', ...' if len(lengths) > 8 else ''}): tiers need the same number on every node")
-        elif per_host is not None:
-            sizes = (*self.sizes[:level - 1], per_host, *self.sizes[level:])
+        elif per_host is not None and per_host % self.tp == 0:
+            sizes = (*self.sizes[:level - 1], per_host // self.tp, *self.sizes[level:])
             try:
-                hint = f"the ranks run {per_host} per host, node by node: declare Topology({Topology(sizes).sizes})"
+                hint = (f"the ranks run {per_host} per host, node by node: declare Topology({Topology(sizes).sizes}"
+                        f"{f', tp={self.tp}' if self.tp > 1 else ''})")
             except TopologyError:
                 hint = f"the ranks run {per_host} per host, node by node"
         else:
@@ -497,11 +565,19 @@ class Topology:
     def _make_mesh(self, device_type: str):
         from torch.distributed.device_mesh import DeviceMesh
 
-        return DeviceMesh(device_type, self._grid(), mesh_dim_names=self.names)
+        names = ("tp", *self.names) if self.tp > 1 else self.names
+        return DeviceMesh(device_type, self._grid(), mesh_dim_names=names)
 
     @property
     def rank(self) -> int:
         return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _checked_tp(tp: object) -> int:
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise TopologyError(f"tp={tp!r} must be a positive whole number: the ranks of one tensor-parallel group "
+                            "(1: no tensor parallelism)")
+    return tp
 
 
 def _runs(hosts: list, start: int) -> list[tuple[int, int, str]]:

@@ -230,3 +230,36 @@ def test_qwd_plans_round_trip_and_refuse_what_cannot_work():
                         ("GGG+hpz+qwd=int2", "unknown qwd codec")):
         with pytest.raises(PlanError, match=words):
             Plan.parse(text).resolve(topo)
+
+
+@pytest.mark.parametrize("tp, fragment", [(0, "tp=0 must be a positive whole number"),
+                                          ("2", "tp='2' must be a positive whole number"),
+                                          (True, "tp=True must be a positive whole number")])
+def test_tp_degree_errors(tp, fragment):
+    with pytest.raises(ts.TopologyError, match=fragment):
+        ts.Topology((2, 4), tp=tp)
+
+
+def test_tp_arithmetic():
+    """TP groups are tp adjacent ranks; the tiers count TP groups and run within one TP coordinate."""
+    topo = ts.Topology((2, 4), tp=2)
+    assert (topo.num_ranks, topo.world_size, topo.tp_ranks(5)) == (8, 4, (4, 5))
+    assert topo.group_ranks(5, 1) == (5, 7) and topo.group_ranks(5, 2) == (1, 3, 5, 7)
+    assert topo.tier_of_link(4, 5) == "node" and topo.tier_of_link(1, 5) == "world"
+    assert repr(topo).endswith("tp=2)") and topo != ts.Topology((2, 4))
+
+
+def test_tp_across_nodes_errors(monkeypatch):
+    """TP runs inside the node: a TP group over two hosts, or a tp that does not divide the node, names the fix."""
+    with pytest.raises(ts.TopologyError, match=r"tensor-parallel group of ranks 0-1 .* spans hosts 'a', 'b': "
+                                               "tensor parallelism runs inside a node"):
+        ts.Topology((1, 4), tp=2).check_hosts(list("abcdefgh"))
+    ts.Topology((2, 4), tp=2).check_hosts(["a"] * 4 + ["b"] * 4)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.delenv("TIERSHARD_TOPOLOGY", raising=False)
+    assert ts.Topology.from_env(tp=2) == ts.Topology((2, 4), tp=2)
+    with pytest.raises(ts.TopologyError, match="tp=8 does not divide the 4 ranks of a node"):
+        ts.Topology.from_env(tp=8)
+    with pytest.raises(ts.TopologyError, match="has no tensor parallelism: declare it"):
+        ts.Topology((2, 4)).tp_mesh

@@ -65,6 +65,8 @@ def add_parser(subparsers) -> None:
                    help="activation checkpointing (default on)")
     j.add_argument("--reduce-bytes", type=int, help="bytes per gradient element on the wire (2 bf16, 4 fp32)")
     j.add_argument("--grad-bytes", type=int, help="bytes per accumulated gradient element (default 2; the engine's fp32: 4)")
+    c.add_argument("--tp", metavar="DEGREES", help="tensor-parallel degrees to weigh beside each placement, e.g. "
+                   "1,2,4,8: TP inside the innermost tier, the plans over the tiers outside it (docs/parallelism.md)")
     o = p.add_argument_group("output")
     o.add_argument("--plans", help="comma-separated plans to compare instead of all, e.g. zero3,zero++,IIG")
     o.add_argument("--allow-lossy", action="store_true",
@@ -94,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
         candidates = [s.strip() for s in args.plans.split(",") if s.strip()] if args.plans else None
         if args.allow_outer and not args.allow_lossy:
             raise ValueError("--allow-outer ranks outer-sync plans, which are lossy: add --allow-lossy")
-        ranked = rank_plans(model, cluster, job, candidates, args.allow_lossy, args.allow_outer)
+        ranked = rank_plans(model, cluster, job, candidates, args.allow_lossy, args.allow_outer,
+                            parse_tp(args.tp))
     except (ValueError, PlanError, TopologyError) as err:
         raise CliError(str(err)) from None
     if not ranked or not ranked[0].fits:
@@ -113,6 +116,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---- inputs -------------------------------------------------------------------------------------
+def parse_tp(text: str | None) -> tuple[int, ...]:
+    """``--tp 1,2,4``: the TP degrees, 1 (none) when the flag is absent."""
+    if text is None:
+        return (1,)
+    try:
+        degrees = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"--tp {text!r} is not a list of TP degrees like 1,2,4,8") from None
+    if not degrees:
+        raise ValueError("--tp names no TP degree: give some, e.g. --tp 1,2,4,8")
+    return degrees
+
 def _load(path: str) -> dict:
     try:
         return tomllib.loads(Path(path).read_text())
@@ -225,14 +240,14 @@ def render(model: ModelSpec, cluster: Cluster, job: Job, ranked: list[Estimate],
     outer = cluster.tiers[-1].name
     best = ranked[0]
     lines = describe(model, cluster, job)
-    lines.append(f"best    {best.plan}: {best.step_time:.4g} s per step, {best.tflops_per_device:.3g} TFLOPS per "
+    lines.append(f"best    {best.label}: {best.step_time:.4g} s per step, {best.tflops_per_device:.3g} TFLOPS per "
                  f"device, {best.memory.total / 1e9:.3g} GB per device; {best.reason}")
     lines.append("")
     head = f"{'#':>4}  {'plan':<24} {'step s':>8} {'x best':>7} {'mem GB':>7} {outer + ' GB/node':>14} " \
            f"{'exposed s':>9}  {'quality':<16}  why"
     lines.append(head)
     for i, e in enumerate(shown, 1):
-        lines.append(f"{i:>4}  {str(e.plan):<24} {e.step_time:>8.4g} {e.step_time / best.step_time:>7.3f} "
+        lines.append(f"{i:>4}  {e.label:<24} {e.step_time:>8.4g} {e.step_time / best.step_time:>7.3f} "
                      f"{e.memory.total / 1e9:>7.3g} {e.bytes_per_group(outer) / 1e9:>14.4g} {e.exposed:>9.3g}  "
                      f"{short_quality(e):<16}  {e.reason}")
     fit = sum(e.fits for e in ranked)
@@ -264,6 +279,7 @@ def as_json(model: ModelSpec, cluster: Cluster, job: Job, ranked: list[Estimate]
                               for t in cluster.tiers]},
         "job": {f.name: getattr(job, f.name) for f in fields(Job)},
         "best": str(ranked[0].plan),
+        "best_tp": ranked[0].tp,
         "evaluated": len(ranked),
         "fit": sum(e.fits for e in ranked),
         "plans": [e.as_dict() for e in shown],

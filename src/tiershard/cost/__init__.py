@@ -12,9 +12,10 @@ from .memory import Memory, memory
 from .planner import (REL_TIE, Estimate, NoPlanFits, auto_estimate, auto_plan, candidate_plans, coerce_model,
                       compute_seconds, evaluate, no_plan_fits, rank_estimates, rank_plans)
 from .specs import MODELS, Cluster, Job, ModelSpec, Tier
+from .tensor_parallel import tp_cluster, tp_collectives, tp_degrees, tp_model
 
 __all__ = [
     "MODELS", "Cluster", "Estimate", "Job", "Memory", "ModelSpec", "NoPlanFits", "Tier", "auto_estimate", "auto_plan",
     "candidate_plans", "coerce_model", "compute_seconds", "evaluate", "memory", "no_plan_fits", "plan_collectives", "price",
-    "price_plan", "REL_TIE", "rank_estimates", "rank_plans",
+    "price_plan", "REL_TIE", "rank_estimates", "rank_plans", "tp_cluster", "tp_collectives", "tp_degrees", "tp_model",
 ]

@@ -38,6 +38,7 @@ from ..topology import Topology
 from .comm import Priced, price_plan
 from .memory import Memory, memory
 from .specs import Cluster, Job, ModelSpec
+from .tensor_parallel import tp_cluster, tp_collectives, tp_degrees, tp_model
 
 
 class NoPlanFits(ValueError):
@@ -63,6 +64,13 @@ class Estimate:
     overlap: float = field(repr=False, default=1.0)
     reason: str = ""
     quality: str = "exact"            # Plan.quality on the cluster: 'exact' or 'lossy: ...' with the bits per tier
+    tp: int = 1                       # tensor-parallel degree inside the node ([Note: TP in the cost model])
+    comm_tp: float = 0.0              # seconds of TP collectives per step, on the critical path
+
+    @property
+    def label(self) -> str:
+        """The plan text, with the TP degree when there is one: 'IIG tp=2'."""
+        return str(self.plan) if self.tp == 1 else f"{self.plan} tp={self.tp}"
 
     @property
     def fits(self) -> bool:
@@ -87,7 +95,7 @@ class Estimate:
 
     def as_dict(self) -> dict:
         return {
-            "plan": str(self.plan), "fits": self.fits, "step_time_s": self.step_time,
+            "plan": str(self.plan), "tp": self.tp, "fits": self.fits, "comm_tp_s": self.comm_tp, "step_time_s": self.step_time,
             "compute_s": self.compute, "comm_micro_s": self.comm_micro, "comm_boundary_s": self.comm_boundary,
             "exposed_s": self.exposed, "tflops_per_device": self.tflops_per_device,
             "memory_bytes": self.memory.as_dict(), "capacity_bytes": self.capacity,
@@ -109,8 +117,13 @@ def forward_seconds(model: ModelSpec, job: Job, cluster: Cluster) -> float:
     return job.tokens * 2 * model.params / (cluster.peak_flops * job.efficiency)
 
 
-def evaluate(plan: Plan | str, model: ModelSpec, cluster: Cluster, job: Job) -> Estimate:
-    """Memory, bytes and step time of one plan; raises PlanError if the plan does not fit the topology."""
+def evaluate(plan: Plan | str, model: ModelSpec, cluster: Cluster, job: Job, tp: int = 1) -> Estimate:
+    """Memory, bytes and step time of one plan; raises PlanError if the plan does not fit the topology. With ``tp``
+    the plan shards over the tiers left outside TP groups of ``tp`` ranks ([Note: TP in the cost model])."""
+    if tp != 1:      # a TP group of tp devices takes their tp micro-batches together: the same global batch
+        group_job = replace(job, micro_batch=job.micro_batch * tp)
+        e = evaluate(plan, tp_model(model, tp), tp_cluster(cluster, tp), group_job)
+        return _with_tp(e, model, cluster, group_job, tp)
     plan = Plan.parse(plan) if isinstance(plan, str) else plan
     pl = plan.resolve(cluster.topology)
     priced = price_plan(pl, model, job, cluster)
@@ -137,6 +150,20 @@ def evaluate(plan: Plan | str, model: ModelSpec, cluster: Cluster, job: Job) -> 
         world=cluster.world_size, group_sizes={t.name: s for t, s in zip(cluster.tiers, sizes)},
         model_flops=job.accum * job.tokens * (4 * model.params + 2 * model.trainable), overlap=overlap,
         quality=pl.quality)
+
+
+def _with_tp(e: Estimate, model: ModelSpec, cluster: Cluster, job: Job, tp: int) -> Estimate:
+    """One TP coordinate's estimate ``e`` as the whole cluster's: bytes of every coordinate, group sizes in ranks,
+    and the TP collectives added (exposed)."""
+    tier, sent, seconds = tp_collectives(model, job, cluster, tp)
+    tier_bytes = {t: b * tp for t, b in e.tier_bytes.items()}
+    tier_bytes[tier] = tier_bytes.get(tier, 0) + sent * cluster.world_size
+    tier_seconds = dict(e.tier_seconds)
+    tier_seconds[tier] = tier_seconds.get(tier, 0.0) + sent / cluster.tiers[0].bandwidth
+    return replace(e, tier_bytes=tier_bytes, tier_seconds=tier_seconds, step_time=e.step_time + seconds,
+                   world=cluster.world_size, group_sizes=dict(zip(e.group_sizes, (1, *(t.size for t in cluster.tiers)))),
+                   tp=tp,
+                   comm_tp=seconds)
 
 
 def _outer_exposed(plan: Plan, priced: Sequence[Priced], inner_step: float) -> float:
@@ -189,8 +216,8 @@ def candidate_plans(topology: Topology, options: bool = True, lossy: bool = True
 # far below what the model can resolve, far above float noise) of the fastest time of their tie group: plans are
 # sorted by exact time and each one that is not within REL_TIE of its group's fastest starts the next group. So the
 # groups depend only on the set of times, never on the candidates' order. Inside a group: less quantization (it
-# changes the numerics), fewer bytes on the slowest (outermost) tier, less memory per device, fewer options, then
-# the plan text, which is unique: the ranking is a function of the set of candidates. Plans that do not fit follow,
+# changes the numerics), less tensor parallelism, fewer bytes on the slowest (outermost) tier, less memory per device, fewer options, then
+# the plan text with its TP degree, which is unique: the ranking is a function of the set of candidates. Plans that do not fit follow,
 # smallest memory first.
 REL_TIE = 1e-6
 
@@ -198,7 +225,7 @@ REL_TIE = 1e-6
 def _tie_key(e: Estimate) -> tuple:
     outer = next(reversed(e.group_sizes))
     options = len(e.plan.hpz) + e.quantized + int(e.plan.cc)
-    return (e.quantized, e.tier_bytes.get(outer, 0), float(f"{e.memory.total:.6g}"), options, str(e.plan))
+    return (e.quantized, e.tp, e.tier_bytes.get(outer, 0), float(f"{e.memory.total:.6g}"), options, e.label)
 
 
 def _ranking_keys(estimates: Sequence[Estimate]) -> list[tuple]:
@@ -242,23 +269,26 @@ def choice(best: Estimate, allow_lossy: bool) -> str:
 
 
 def rank_plans(model: ModelSpec, cluster: Cluster, job: Job, candidates: Iterable[Plan | str] | None = None,
-               allow_lossy: bool = False, outer: bool = False) -> list[Estimate]:
-    """Estimates of every candidate, best first ([Note: tie rule]), each with the reason it loses to the best.
+               allow_lossy: bool = False, outer: bool = False, tp: Iterable[int] = (1,)) -> list[Estimate]:
+    """Estimates of every candidate at every TP degree in ``tp``, best first ([Note: tie rule]), each with the
+    reason it loses to the best.
 
-    Without ``candidates`` every plan of ``candidate_plans`` is ranked, the lossy ones (qwz, qgz) only when
-    ``allow_lossy``, the outer-sync ones only with ``outer`` too ([Note: quality rule]); named ``candidates`` are
-    all ranked."""
+    Without ``candidates`` every plan of ``candidate_plans`` is ranked (on the tiers left outside the TP groups),
+    the lossy ones (qwz, qgz) only when ``allow_lossy``, the outer-sync ones only with ``outer`` too ([Note: quality
+    rule]); named ``candidates`` are all ranked."""
     if outer and not allow_lossy:
         raise ValueError("outer-sync plans are lossy: allow them with allow_lossy=True (--allow-lossy) as well")
-    plans = candidate_plans(cluster.topology, lossy=allow_lossy, outer=outer) if candidates is None else \
-        [Plan.parse(c) if isinstance(c, str) else c for c in candidates]
+    named = None if candidates is None else [Plan.parse(c) if isinstance(c, str) else c for c in candidates]
     estimates = []
-    for plan in plans:
-        try:
-            estimates.append(evaluate(plan, model, cluster, job))
-        except PlanError:
-            if candidates is not None:
-                raise
+    for degree in dict.fromkeys(tp):
+        plans = candidate_plans(tp_cluster(cluster, degree).topology, lossy=allow_lossy, outer=outer) \
+            if named is None else named
+        for plan in plans:
+            try:
+                estimates.append(evaluate(plan, model, cluster, job, tp=degree))
+            except PlanError:
+                if named is not None:
+                    raise
     return rank_estimates(estimates, allow_lossy)
 
 
@@ -270,7 +300,8 @@ def why(e: Estimate, best: Estimate, outer: str, mine: tuple, theirs: tuple) -> 
     if e is best:
         return "fastest that fits"
     if mine[1] == theirs[1]:
-        for index, what in ((2, "more quantization"), (3, "more inter-node bytes"), (4, "more memory")):
+        for index, what in ((2, "more quantization"), (3, "more tensor parallelism"), (4, "more inter-node bytes"),
+                            (5, "more memory")):
             if mine[index] > theirs[index]:
                 return f"ties; {what}"
         return "ties; more options"
@@ -284,7 +315,9 @@ def why(e: Estimate, best: Estimate, outer: str, mine: tuple, theirs: tuple) -> 
         parts.append(f"more {label} bytes ({e.bytes_per_group(tier) / gb:.3g} vs "
                      f"{best.bytes_per_group(tier) / gb:.3g} GB/{unit})")
     slower = e.step_time - best.step_time
-    if e.comm_boundary - best.comm_boundary > 0.5 * slower:
+    if e.comm_tp - best.comm_tp > 0.5 * slower:
+        parts.append(f"TP activation collectives exposed ({e.comm_tp:.3g} s)")
+    elif e.comm_boundary - best.comm_boundary > 0.5 * slower:
         parts.append(f"boundary sync exposed ({e.comm_boundary:.3g} s)")
     elif e.comm_micro > e.overlap * e.compute and e.comm_micro > best.comm_micro:
         parts.append(f"micro-step comm not hidden ({e.comm_micro:.3g} s vs {e.compute:.3g} s compute)")
@@ -329,27 +362,42 @@ def _is_module(model: object) -> bool:
 
 def auto_plan(model: object, cluster: Cluster, job: Job | None = None, *,
               candidates: Sequence[Plan | str] | None = None, wrap: object = None, allow_lossy: bool = False,
-              outer: bool = False) -> Plan:
+              outer: bool = False, tp: Iterable[int] | None = None) -> Plan:
     """The fastest exact plan that fits in memory, or with ``allow_lossy`` the fastest of all, qwz / qgz plans
-    included ([Note: quality rule]); ties (times within ``REL_TIE``) go to less quantization, then fewer
+    included ([Note: quality rule]); ties (times within ``REL_TIE``) go to less quantization, then less TP, fewer
     outermost-tier bytes, less memory, fewer options, the plan text ([Note: tie rule]). Raises NoPlanFits.
-    ``auto_estimate`` returns the same choice with its estimate and the reason it was chosen.
+    ``auto_estimate`` returns the same choice with its estimate, its TP degree (``.tp``) and the reason.
+
+    ``tp``: the tensor-parallel degrees to weigh beside each placement (default: none). Without it, when no plan
+    fits, NoPlanFits names the smallest TP degree under which one does.
 
     A torch module is counted unit by unit as ``ts.shard(model, ..., wrap=wrap)`` would cut it (the same
     default for ``wrap=None``), so pass the ``wrap`` you will shard with."""
-    return auto_estimate(model, cluster, job, candidates=candidates, wrap=wrap, allow_lossy=allow_lossy,
-                         outer=outer).plan
+    best = auto_estimate(model, cluster, job, candidates=candidates, wrap=wrap, allow_lossy=allow_lossy,
+                         outer=outer, tp=tp)
+    if tp is None and best.tp > 1:
+        raise NoPlanFits(f"no plan fits without tensor parallelism; {best.label} fits ({best.reason}): parallelise "
+                         f"the model over TP groups of {best.tp} ranks (docs/parallelism.md) and plan with "
+                         f"tp=({best.tp},), or read auto_estimate(...).tp")
+    return best.plan
 
 
 def auto_estimate(model: object, cluster: Cluster, job: Job | None = None, *,
                   candidates: Sequence[Plan | str] | None = None, wrap: object = None,
-                  allow_lossy: bool = False, outer: bool = False) -> Estimate:
-    """``auto_plan``'s choice as an Estimate; its ``reason`` names the choice, e.g. 'fastest exact plan'."""
+                  allow_lossy: bool = False, outer: bool = False, tp: Iterable[int] | None = None) -> Estimate:
+    """``auto_plan``'s choice as an Estimate; its ``reason`` names the choice, e.g. 'fastest exact plan', and its
+    ``tp`` the TP degree. Without ``tp``, TP degrees are weighed only when no plan fits without them."""
     if not isinstance(cluster, Cluster):
         raise TypeError("auto_plan needs a tiershard.cost.Cluster (tiers with bandwidth and latency), "
                         "e.g. tiershard.cost.presets.preset('dgx-a100', gpus=64)")
     spec = coerce_model(model, wrap)
-    ranked = rank_plans(spec, cluster, job or Job(), candidates, allow_lossy, outer)
+    job = job or Job()
+    ranked = rank_plans(spec, cluster, job, candidates, allow_lossy, outer, (1,) if tp is None else tp)
+    if tp is None and (not ranked or not ranked[0].fits) and len(tp_degrees(cluster)) > 1:
+        with_tp = rank_plans(spec, cluster, job, candidates, allow_lossy, outer, tp_degrees(cluster))
+        if with_tp and with_tp[0].fits:
+            best = with_tp[0]
+            return replace(best, reason=f"no plan fits without tensor parallelism; {best.reason}")
     if not ranked or not ranked[0].fits:
         raise no_plan_fits(spec, cluster, ranked)
     return ranked[0]

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..comm import collectives as C
 from ..comm.failure import unit_scope
 from ..plan import Plan
 from ..topology import Topology, TopologyError
@@ -25,6 +26,7 @@ from .guards import guard_wrappers
 from .layout import ParamLayout, finest_chunks
 from .outer import OuterSync
 from .materialize import InitFn, Unloaded, materialize, tie_empty_weights
+from .tensor_parallel import TPSpec
 from .wrap import WrapPolicy, find_units
 
 __all__ = ["shard", "no_sync", "clip_grad_norm_", "full_state_dict", "load_full_state_dict", "memory_stats"]
@@ -91,6 +93,7 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
             raise ValueError(f"{what}={dtype} must be a floating dtype such as torch.bfloat16")
     topology.init_process_groups(device.type)
     _check_same_everywhere(params)
+    tp = _tp_specs(params, topology, meta)
     if not meta:
         _broadcast_buffers(model)
     del params
@@ -104,9 +107,9 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
             if owned:
                 # cut as the masters' DTensors are: at os when trainable, at p (kept in param_dtype) when frozen
                 chunking = topology.chunking(placement.os if trainable else placement.p)
-                layouts = [ParamLayout(uses, names, p.shape, finest_chunks(p.shape[0], chunking))
-                           for p, uses, names in owned]
-                values = None if meta else _RankZeroValues([p for p, _, _ in owned], device)
+                layouts = [ParamLayout(uses, names, _stored_shape(p), finest_chunks(_stored_shape(p)[0], chunking),
+                                       tp=tp.get(id(p))) for p, uses, names in owned]
+                values = None if meta else _RankZeroValues([p for p, _, _ in owned], device, topology)
                 group = FlatGroup(layouts, values, placement, trainable, param_dtype, reduce_dtype, device)
                 dtypes.update((id(m), p.dtype) for m, (p, _, _) in zip(group.masters, owned))
                 groups.append(group)
@@ -355,22 +358,49 @@ def _broadcast_buffers(model: nn.Module) -> None:
         dist.broadcast(buf, src=0)
 
 
+def _tp_specs(params, topology: Topology, meta: bool) -> dict:
+    """id(parameter) -> its ``TPSpec`` for the tensor-parallel (DTensor) parameters, checked against the topology."""
+    out = {}
+    for p, _, names in params:
+        if isinstance(p, DTensor):
+            if meta:
+                raise ValueError(f"parameter {names[0]} is a tensor-parallel DTensor on the meta device: ts.shard "
+                                 "does not materialise tensor-parallel models yet; build the model on its device, "
+                                 "parallelise it, then ts.shard it (docs/parallelism.md)")
+            out[id(p)] = TPSpec.of(names[0], p, topology)
+    return out
+
+
+def _stored_shape(p: torch.Tensor) -> torch.Size:
+    """The shape the engine stores: a tensor-parallel parameter's local shard's, else the parameter's."""
+    return p._local_tensor.shape if isinstance(p, DTensor) else p.shape
+
+
 class _RankZeroValues(Sequence):
     """Rank 0's value of each of ``params`` as fp32 on ``device``, broadcast when it is read: ``FlatGroup`` reads
     each once, in order, and keeps only its band, so sharding holds one full parameter at a time beyond the
-    masters (one broadcast of the whole group held a copy of the group, the whole model for a model of one unit)."""
+    masters (one broadcast of the whole group held a copy of the group, the whole model for a model of one unit).
+    A tensor-parallel parameter's local shard comes from the first rank of this rank's TP coordinate (rank 0's TP
+    group holds the whole parameter), over the tiers' world group of that coordinate."""
 
-    def __init__(self, params: list[torch.Tensor], device: torch.device):
-        self.params, self.device = params, device
+    def __init__(self, params: list[torch.Tensor], device: torch.device, topology: Topology):
+        self.params, self.device, self.topology = params, device, topology
 
     def __len__(self) -> int:
         return len(self.params)
 
     @torch.no_grad()
     def __getitem__(self, index: int) -> torch.Tensor:
-        value = self.params[index].detach().to(device=self.device, dtype=torch.float32, copy=True,
-                                               memory_format=torch.contiguous_format)
-        dist.broadcast(value, src=0)
+        param = self.params[index]
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        value = local.detach().to(device=self.device, dtype=torch.float32, copy=True,
+                                  memory_format=torch.contiguous_format)
+        if isinstance(param, DTensor):
+            topo = self.topology
+            world = topo.group_for(topo.rank, 0, topo.num_levels - 1)
+            C.broadcast(value, world.ranks[0], world, topo, "state_dict")
+        else:
+            dist.broadcast(value, src=0)
         return value
 
 
@@ -479,8 +509,6 @@ def _full_state_problem(model: nn.Module, layouts: list, state: Mapping[str, tor
 def _broadcast_full(model: nn.Module, engine: Engine, layouts: list, state: Mapping[str, torch.Tensor]) -> None:
     """``_write_full`` from rank 0's ``state``: one broadcast per tensor on the control group, each rank cutting
     its shard before the next arrives."""
-    from ..comm import collectives as C
-
     topology, rank0 = engine.topology, dist.get_rank() == 0
     control = topology.control_group
     box = [sorted(state.keys()) if rank0 else None]     # which names rank 0 has (all of them when strict)
@@ -503,7 +531,7 @@ def _key_mismatch(model: nn.Module, layouts: list, state: Mapping[str, torch.Ten
 
 def _shape_mismatch(model: nn.Module, layouts: list, state: Mapping[str, torch.Tensor]):
     """(name, shape given, shape in the model) for each entry of ``state`` that does not fit."""
-    shapes = {name: tuple(layout.shape) for _, _, layout in layouts for name in layout.names}
+    shapes = {name: tuple(layout.global_shape) for _, _, layout in layouts for name in layout.names}
     shapes.update((name, tuple(buf.shape)) for name, buf in _persistent_buffers(model))
     for name, value in state.items():
         if name in shapes and tuple(value.shape) != shapes[name]:
@@ -520,7 +548,7 @@ def _write_full(model: nn.Module, engine: Engine, layouts: list, names: Collecti
     for group, index, layout in layouts:
         name = next((n for n in layout.names if n in names), None)
         if name is not None:
-            group.load_full(index, value(name, layout.shape, torch.float32, engine.device))
+            group.load_full(index, value(name, layout.global_shape, torch.float32, engine.device))
             _loaded(model, group=group, index=index)
             if group not in touched:
                 touched.append(group)

@@ -242,15 +242,19 @@ class FlatGroup:
         # one spec per parameter, shared by its master and its gradients (both fp32 at level os when trainable)
         self.specs = [DTensorSpec(self.mesh, self.placements,
                                   TensorMeta(layout.shape, _contiguous_stride(layout.shape), self.master_dtype))
+                      if layout.tp is None else layout.tp.master_spec(topo, self.level, self.master_dtype)
                       for layout in self.layouts]
         self.masters = [self._make_master(i, None if values is None else values[i]) for i in range(len(layouts))]
         if trainable or placement.p > 0:
-            self.working = [nn.Parameter(torch.empty(layout.shape, dtype=param_dtype, device=device),
-                                         requires_grad=trainable) for layout in self.layouts]
+            locals_ = [torch.empty(layout.shape, dtype=param_dtype, device=device) for layout in self.layouts]
         else:                          # frozen and replicated: the masters' storage is the working copy
-            self.working = [nn.Parameter(_alias(self.master_local(i)), requires_grad=False)
-                            for i in range(len(self.layouts))]
-        self.aliases = [_alias(w) for w in self.working]
+            locals_ = [_alias(self.master_local(i)) for i in range(len(self.layouts))]
+        # what the modules show in forward and backward; a TP parameter's is a DTensor of its TP spec
+        self.working = [nn.Parameter(local, requires_grad=trainable) if layout.tp is None else
+                        layout.tp.working(local, trainable) for layout, local in zip(self.layouts, locals_)]
+        # their storage, which gathers fill and releases free
+        self.working_local = [w._local_tensor if isinstance(w, DTensor) else w for w in self.working]
+        self.aliases = [_alias(w) for w in self.working_local]
         self.allocated = True          # the working tensors have storage (always, when p is replicated)
         # the level-p copy is kept only where it differs from the masters' band (p finer than os); at p = os each
         # gather casts the masters' band on the fly, as FSDP2 does ([Note: memory breakdown], engine.py)
@@ -391,34 +395,47 @@ class FlatGroup:
         ``scratch``: fp32 room for the band and the gathered group (``scratch_size``), reused across groups so
         that no unit-sized buffer is allocated and freed per group (freed holes stay resident). ``device``: where
         the values are made (default: the engine's); on another device each parameter is copied there from the
-        gathered group, so the engine's device never holds a second copy of the group."""
+        gathered group, so the engine's device never holds a second copy of the group. Under tensor parallelism
+        each TP coordinate gathers its own group, and the TP parameters are then gathered across TP, one at a
+        time (with ``rank0_only`` by rank 0's TP group only)."""
         self.stream.drain()
         length = self.S // self.size(self.level)
         band = self._pack_masters(torch.float32, None if scratch is None else scratch[:length])
         group = self.group(0, self.level)
-        if rank0_only and 0 not in group.ranks:
+        first = group.ranks[0]                   # rank 0 itself, or its TP peer in this rank's TP coordinate
+        if rank0_only and first not in self.topo.tp_ranks(0):
             return []
         if group.size == 1:                      # the band is the whole group: nothing to gather
             full = band
         else:
-            size = self.S if not rank0_only or self.rank == 0 else 0
+            size = self.S if not rank0_only or self.rank == first else 0
             full = torch.empty(size, device=self.device) if scratch is None else scratch[length:length + size]
             if rank0_only:
                 C.gather_to_first(full, band, group, self.topo, "state_dict")
             else:
                 C.all_gather(full, band, group, self.topo, "state_dict")
-        if rank0_only and self.rank != 0:
+        if rank0_only and self.rank != first:
             return []
-        outs = [torch.empty(layout.shape, device=device or self.device) for layout in self.layouts]
-        self._split_full(full, outs, one_by_one=device is not None)
-        return outs
+        if not any(layout.tp is not None for layout in self.layouts):
+            outs = [torch.empty(layout.shape, device=device or self.device) for layout in self.layouts]
+            self._split_full(full, outs, one_by_one=device is not None)
+            return outs
+        outs = [torch.empty(layout.shape, device=self.device) for layout in self.layouts]
+        self._split_full(full, outs)
+        del full
+        values = []
+        for layout, out in zip(self.layouts, outs):
+            value = out if layout.tp is None else layout.tp.full(out)
+            values.append(value if device is None else value.to(device))
+        return [] if rank0_only and self.rank != 0 else values
 
     def scratch_size(self, rank0_only: bool = False) -> int:
         """fp32 elements ``full_values`` works in on this rank."""
         band = self.S // self.size(self.level)
-        if self.group(0, self.level).size == 1:
+        group = self.group(0, self.level)
+        if group.size == 1:
             return band
-        return band + (self.S if not rank0_only or self.rank == 0 else 0)
+        return band + (self.S if not rank0_only or self.rank == group.ranks[0] else 0)
 
     @torch.no_grad()
     def sync_params(self, step: bool = False) -> None:
@@ -503,7 +520,7 @@ class FlatGroup:
         (future, exact), self._gathering = self._gathering, None
         full, version = future.take()  # the matrix is ours alone now: freed after the copy-out
         if not self.allocated:
-            for w in self.working:
+            for w in self.working_local:
                 w.untyped_storage().resize_(w.numel() * w.element_size())
             self.allocated = True
             self._gauge_add(gathered=self.working_bytes)
@@ -575,7 +592,7 @@ class FlatGroup:
         """Free the working tensors when p is sharded (the hpz bands of these weights stay behind)."""
         if self.pl.p == 0 or not self.allocated:
             return
-        for w in self.working:
+        for w in self.working_local:
             w.untyped_storage().resize_(0)
         self.allocated = False
         self.gathered_version = -1
@@ -598,8 +615,9 @@ class FlatGroup:
                 if t is not None]
         if self.p_shard is not None:
             out.append(("working_weights", self.p_shard))
-        out += [("working_weights" if self.pl.p == 0 else "gathered", w) for w in self.working]
-        out += [("gradients", w.grad) for w in self.working if w.grad is not None]
+        out += [("working_weights" if self.pl.p == 0 else "gathered", w) for w in self.working_local]
+        out += [("gradients", w.grad._local_tensor if isinstance(w.grad, DTensor) else w.grad)
+                for w in self.working if w.grad is not None]
         out += [("hpz_bands", band) for _, band in self.hpz.values()]
         if self.reference is not None:
             out.append(("hpz_bands", self.reference))
@@ -635,6 +653,8 @@ class FlatGroup:
         pieces = []
         for layout, w in zip(self.layouts, self.working):
             grad, w.grad = w.grad, None
+            if grad is not None and layout.tp is not None:
+                grad = layout.tp.local_grad(grad)
             if grad is None:
                 pieces.append(torch.zeros(self.W * layout.cols, dtype=self.param_dtype, device=self.device))
             else:
@@ -787,7 +807,8 @@ class FlatGroup:
         """Write a parameter's full fp32 value: every rank has it, so each cuts its own shard."""
         layout = self.layouts[index]
         b = layout.band(self.first_slot(self.level), self.slots(self.level))
-        self.master_local(index).copy_(full.detach().narrow(0, b.start, b.length))
+        local = full.detach() if layout.tp is None else layout.tp.local_of(full.detach())
+        self.master_local(index).copy_(local.narrow(0, b.start, b.length))
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of each persistent model state this rank holds for the group."""
@@ -799,7 +820,7 @@ class FlatGroup:
         elif self.pl.p > 0:
             params = nbytes(self.p_shard)
         else:
-            params = sum(nbytes(w) for w in self.working)
+            params = sum(nbytes(w) for w in self.working_local)
         hpz = sum(nbytes(value) for _, value in self.hpz.values())
         return {
             "params": params,

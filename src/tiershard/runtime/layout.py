@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn as nn
+
+if TYPE_CHECKING:
+    from .tensor_parallel import TPSpec
 
 
 def finest_chunks(dim0: int, fanouts: Sequence[int]) -> list[tuple[int, int]]:
@@ -46,13 +49,16 @@ def finest_chunks(dim0: int, fanouts: Sequence[int]) -> list[tuple[int, int]]:
 
 @dataclass
 class ParamLayout:
-    """One original parameter: its names and uses, global shape, and its columns in the unit's matrices."""
+    """One original parameter: its names and uses, the shape the engine stores, and its columns in the unit's
+    matrices. ``shape`` is the global shape, or for a tensor-parallel parameter (``tp``) its local TP shard's
+    ([Note: TP parameters under the tiers], tensor_parallel.py)."""
 
     uses: list[tuple[nn.Module, str]]
     names: list[str]
     shape: torch.Size
     chunks: list[tuple[int, int]]      # finest chunks (start, length), one per slot
     offset: int = 0                     # first column in the unit's matrix
+    tp: "TPSpec | None" = None          # how parallelize_module placed it, None when it is not tensor-parallel
     rows: int = field(init=False)       # R: padded rows per slot
     row: int = field(init=False)        # elements per row
     _cache: dict = field(default_factory=dict, repr=False)
@@ -64,6 +70,11 @@ class ParamLayout:
     @property
     def name(self) -> str:
         return self.names[0]
+
+    @property
+    def global_shape(self) -> torch.Size:
+        """The parameter's shape as users see it (across TP too)."""
+        return self.shape if self.tp is None else self.tp.shape
 
     @property
     def cols(self) -> int:
