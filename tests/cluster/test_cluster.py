@@ -227,6 +227,13 @@ def netns():
         pytest.skip(reason)
 
 
+def _on_the_wire(counted: int, payload: int) -> bool:
+    """A link counter against the payload a formula gives: the counter sees whole frames, so it reads up to about 8%
+    more (Ethernet, IP and TCP headers of 66 bytes per 1448-byte segment are 4.6%; the ACKs for what the node
+    receives, one per one or two segments, add 2-4%) and never less than the payload."""
+    return 0.99 * payload <= counted <= 1.09 * payload
+
+
 def test_real_cluster_allreduce_bytes_match_the_ring_formula(netns, capsys):
     before = _ts_namespaces()
     name = f"t{os.getpid() % 100000}"
@@ -245,11 +252,11 @@ def test_real_cluster_allreduce_bytes_match_the_ring_formula(netns, capsys):
         for node in (0, 1):
             for key in ("tx", "rx"):
                 sent = end[node][key] - start[node][key]
-                assert abs(sent - expected) <= 0.05 * expected, (node, key, sent, expected)
+                assert _on_the_wire(sent, expected), (node, key, sent, expected)
         summary = {s["phase"]: s for s in tc.summarize_allreduce(results, 2, 2)}
         for node in (0, 1):
             world_tx = summary["world"]["nic"][node]["tx"]
-            assert abs(world_tx - expected) <= 0.05 * expected
+            assert _on_the_wire(world_tx, expected), (node, world_tx, expected)
             assert summary["node"]["nic"][node]["tx"] < 64 * 1024          # intra-node: over loopback, not the NIC
 
         # a failing rank: the error names it and carries its stderr; the other ranks are stopped
@@ -397,8 +404,8 @@ def test_real_three_tier_cluster_counts_each_tier_and_shards(netns):
         first = out[2 * node]["links"]                 # rank 2*node: first of its group and of its node
         second = out[2 * node + 1]["links"]
         uplink, middle = first["uplink"], first["eth0"] + second["eth0"] - first["uplink"]
-        assert abs(uplink - expected["world"]) <= 0.05 * expected["world"], (node, uplink, expected)
-        assert abs(middle - expected["node"]) <= 0.05 * expected["node"], (node, middle, expected)
+        assert _on_the_wire(uplink, expected["world"]), (node, uplink, expected)
+        assert _on_the_wire(middle, expected["node"]), (node, middle, expected)
         for tier in ("world", "node"):                 # the whole launch, from outside: at least the all_reduce
             assert end[tier][node]["tx"] - start[tier][node]["tx"] >= expected[tier]
 
