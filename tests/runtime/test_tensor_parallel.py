@@ -17,6 +17,8 @@ and 18 rows (9 at TP 4) that the tiers then cut unevenly. Oracles:
 - checkpoints across TP degrees: ``ts.save`` at TP 2, ``ts.load`` without TP and at TP 4 gives the saved values
   bit for bit, and one more AdamW step from the loaded state (its moments too) equals the TP 2 run's; saved without
   TP it loads back at TP 2; ``ts.full_state_dict`` / ``ts.load_full_state_dict`` carry the same values across;
+- three tiers outside TP (``Topology((1, 2, 4), tp=2)``: TP over the GCD pair, the tiers node and world),
+  placements named by tier with hpZ across two of them: each tensor within 1e-5 relative of one process;
 - the errors for a TP model that does not fit: TP over other ranks than the topology's, a DTensor parameter
   under a topology without ``tp=``, a ``Partial`` parameter: one sentence each, naming the fix;
 - ``examples/tp_tiers.py`` runs on the same ranks and its result equals its FSDP2 + TP twin's.
@@ -42,6 +44,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tp_tiers.py"
 # groups; tests/runtime/test_engine_parity.py sweeps all 27 without TP.
 LATIN = ["NNN", "NII", "NGG", "INI", "IIG", "IGN", "GNG", "GIN", "GGI"]
 OPTIONS = {"GGI+hpz": "GGI", "IIG+cc": "IIG", "zero++": None}     # option -> the exact plan it must equal
+THREE_TIERS = ["p=pair,g=node,os=world", "p=world,g=world,os=world+hpz=node"]
 
 
 def _lossy(code: str) -> bool:
@@ -209,6 +212,15 @@ def tp_sweep(rank: int, world: int, ref: dict, codes: list[str], folder: str) ->
     ts.load_full_state_dict(other, saved)
     out["full_state_tp4"] = all(torch.equal(v, saved[k]) for k, v in ts.full_state_dict(other).items())
 
+    # three tiers outside TP (Frontier's layout: TP over the GCD pair, the pair tier left with one position),
+    # against one process
+    three = ts.Topology((1, 2, 4), tp=TP)
+    three.init_process_groups("cpu")
+    for code in THREE_TIERS:
+        model = _tiershard(code, three)
+        _train(model, _sgd(model.parameters()), rank, _data(), no_sync=ts.no_sync)
+        out[f"three/{code}"] = _rel(ts.full_state_dict(model), ref)
+
     out["errors"] = _errors(topo, plain)
 
     # the example, beside its FSDP2 + TP twin
@@ -277,6 +289,9 @@ def test_tensor_parallel_under_the_tiers(tmp_path):
             exact, step = res[what]
             if not exact or step > 1e-6:
                 failures.append(f"{what} rank {rank}: loaded exactly {exact}, next step {step:.2e} from TP 2's")
+        for code in THREE_TIERS:
+            if res[f"three/{code}"] > 1e-5:
+                failures.append(f"three tiers {code} rank {rank}: {res[f'three/{code}']:.2e} from one process")
         if not res["back_to_tp2"] or not res["full_state_tp4"]:
             failures.append(f"rank {rank}: back to TP 2 {res['back_to_tp2']}, full state at TP 4 "
                             f"{res['full_state_tp4']}")
