@@ -128,6 +128,12 @@ def test_cluster_file(tmp_path, capsys):
     doc = _json(capsys, ["plan", "--cluster-file", str(f), "--gpus", "64", "--top", "2"])
     assert doc["cluster"]["name"] == "lab" and [t["size"] for t in doc["cluster"]["tiers"]] == [4, 64]
     assert doc["cluster"]["tiers"][1]["bandwidth"] == 5e9
+    # the header names the overlap the estimates use: the cluster's measured one, not the job's default
+    assert main(["plan", "--cluster-file", str(f), "--top", "1"]) == 0
+    assert "up to 80% of compute (the job's assumption)" in capsys.readouterr().out
+    f.write_text(f.read_text().replace('peak_flops = 1.25e14\n', 'peak_flops = 1.25e14\noverlap = 0.05\n'))
+    assert main(["plan", "--cluster-file", str(f), "--top", "1"]) == 0
+    assert "up to 5% of compute (measured, from the cluster)" in capsys.readouterr().out
 
 
 BAD = [

@@ -17,7 +17,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from ..cost import presets as clusters
-from ..cost import MODELS, Cluster, Estimate, Job, ModelSpec, coerce_model, no_plan_fits, rank_plans
+from ..cost import MODELS, REL_TIE, Cluster, Estimate, Job, ModelSpec, coerce_model, no_plan_fits, rank_plans
 from ..plan import PlanError
 from ..topology import TopologyError
 from . import CliError
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, PlanError, TopologyError) as err:
         raise CliError(str(err)) from None
     if not ranked or not ranked[0].fits:
-        raise CliError(str(no_plan_fits(model, cluster, ranked)))
+        raise CliError(str(no_plan_fits(model, cluster, ranked, job)))
     top = args.top if args.top is not None else (0 if args.json else 10)
     shown = ranked[:top] if top > 0 else ranked
     if args.json:
@@ -223,6 +223,9 @@ def build_job(args: argparse.Namespace, table: dict) -> Job:
 
 # ---- output -------------------------------------------------------------------------------------
 def describe(model: ModelSpec, cluster: Cluster, job: Job) -> list[str]:
+    # the overlap the estimates use: the cluster's measured one wins over the job's ([Note: overlap model])
+    overlap, source = (job.overlap, "the job's assumption") if cluster.overlap is None else \
+        (cluster.overlap, "measured, from the cluster")
     tiers = ", ".join(f"{t.name} x{t.size} @{t.bandwidth / 1e9:.3g} GB/s {t.latency * 1e6:.3g}us" for t in cluster.tiers)
     return [
         f"model   {model.label}: {model.params:.3g} params, {100 * model.trainable_fraction:.3g}% trainable, "
@@ -231,28 +234,38 @@ def describe(model: ModelSpec, cluster: Cluster, job: Job) -> list[str]:
         f"{cluster.gpu_memory / 1e9:.3g} GB, {cluster.peak_flops / 1e12:.4g} TFLOPS peak",
         f"job     micro-batch {job.micro_batch} x seq {job.seq}, accum {job.accum}, recompute "
         f"{'on' if job.recompute else 'off'}, efficiency {job.efficiency:g}; micro-step comm hides behind up to "
-        f"{job.overlap:.0%} of compute, the parameter sync behind at most one forward, the boundary gradient sync is "
-        "exposed",
+        f"{overlap:.0%} of compute ({source}), the parameter sync behind at most one forward, the boundary gradient "
+        "sync is exposed",
     ]
 
 
 def render(model: ModelSpec, cluster: Cluster, job: Job, ranked: list[Estimate], shown: list[Estimate]) -> str:
-    outer = cluster.tiers[-1].name
     best = ranked[0]
+    slow = best.slowest_tier
+    unit = "node" if slow == cluster.tiers[-1].name else "rank" if best.group_sizes[slow] == 1 else "group"
     lines = describe(model, cluster, job)
     lines.append(f"best    {best.label}: {best.step_time:.4g} s per step, {best.tflops_per_device:.3g} TFLOPS per "
                  f"device, {best.memory.total / 1e9:.3g} GB per device; {best.reason}")
     lines.append("")
-    head = f"{'#':>4}  {'plan':<24} {'step s':>8} {'x best':>7} {'mem GB':>7} {outer + ' GB/node':>14} " \
-           f"{'exposed s':>9}  {'quality':<16}  why"
+    head = f"{'#':>4}  {'plan':<24} {'step s':>8} {'x best':>7} {'mem GB':>7} {'free GB':>7} " \
+           f"{slow + ' GB/' + unit:>14} {'exposed s':>9}  {'quality':<16}  why"
     lines.append(head)
     for i, e in enumerate(shown, 1):
         lines.append(f"{i:>4}  {e.label:<24} {e.step_time:>8.4g} {e.step_time / best.step_time:>7.3f} "
-                     f"{e.memory.total / 1e9:>7.3g} {e.bytes_per_group(outer) / 1e9:>14.4g} {e.exposed:>9.3g}  "
-                     f"{short_quality(e):<16}  {e.reason}")
+                     f"{e.memory.total / 1e9:>7.3g} {e.headroom / 1e9:>7.3g} {e.bytes_per_group(slow) / 1e9:>14.4g} "
+                     f"{e.exposed:>9.3g}  {short_quality(e):<16}  {e.reason}")
     fit = sum(e.fits for e in ranked)
     lines.append(f"({len(ranked)} plans, {fit} fit; showing {len(shown)}{'; --top 0 for all' if len(shown) < len(ranked) else ''})")
+    lines.append(tie_note(ranked, slow))
     return "\n".join(lines)
+
+
+def tie_note(ranked: list[Estimate], slow: str) -> str:
+    """The tie rule as the table applies it ([Note: tie rule] in cost/planner.py), with how many plans tie the best."""
+    tied = sum(1 for e in ranked if e.fits and e.step_time <= ranked[0].step_time * (1 + REL_TIE))
+    head = f"{tied} plans tie the best step time. " if tied > 1 else ""
+    return (f"({head}Ties, step times within {REL_TIE:g} (relative), rank by less quantization, then more free GB "
+            f"(memory headroom), then fewer {slow} GB (bytes on the slowest tier))")
 
 
 def short_quality(e: Estimate) -> str:
