@@ -33,7 +33,7 @@ import itertools
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
-from ..plan import QGZ_DEFAULT, Plan, PlanError
+from ..plan import QGZ_DEFAULT, Plan, PlanError, use_planner
 from ..topology import Topology
 from .comm import Priced, price_plan
 from .memory import Memory, memory
@@ -417,6 +417,9 @@ def auto_plan(model: object, cluster: Cluster, job: Job | None = None, *,
                          f"the model over TP groups of {best.tp} ranks (docs/parallelism.md) and plan with "
                          f"tp=({best.tp},), or read auto_estimate(...).tp")
     return best.plan
+
+
+use_planner(auto_plan)      # Plan.auto ([Note: the planner behind Plan.auto] in plan.py)
 
 
 def auto_estimate(model: object, cluster: Cluster, job: Job | None = None, *,
