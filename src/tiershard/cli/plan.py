@@ -288,6 +288,7 @@ def as_json(model: ModelSpec, cluster: Cluster, job: Job, ranked: list[Estimate]
         "model": {"name": model.label, "params": model.params, "trainable": model.trainable,
                   "layers": model.layers, "hidden": model.hidden, "vocab": model.vocab},
         "cluster": {"name": cluster.name, "gpu_memory": cluster.gpu_memory, "peak_flops": cluster.peak_flops,
+                    "codec_rate": cluster.codec_rate, "codec_rates": dict(cluster.codec_rates),
                     "tiers": [{"name": t.name, "size": t.size, "bandwidth": t.bandwidth, "latency": t.latency}
                               for t in cluster.tiers]},
         "job": {f.name: getattr(job, f.name) for f in fields(Job)},
