@@ -5,7 +5,9 @@ The cluster, model and job come from, in increasing priority: the dgx-a100 prese
 ``--cluster PRESET`` or ``--tiers``, then the single-number flags.
 
 Only exact plans are ranked unless ``--allow-lossy`` (qwz, qgz change the training numerics, docs/zeropp.md);
-plans named with ``--plans`` are all ranked. Each row says ``exact`` or ``lossy`` with the codecs' bits.
+plans named with ``--plans`` are all ranked. Each row says ``exact`` or ``lossy`` with the codecs' bits. Equal
+step times are ranked by memory headroom, then bytes on the slowest tier (the table's ``free GB`` and bytes
+columns); ``--explain`` shows where the chosen plan's step goes, tier by tier, and whether each codec pays.
 """
 from __future__ import annotations
 
@@ -13,10 +15,11 @@ import argparse
 import json
 import re
 import sys
-from dataclasses import fields, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 from ..cost import presets as clusters
+from ..cost.explain import tier_terms
 from ..cost import MODELS, REL_TIE, Cluster, Estimate, Job, ModelSpec, coerce_model, no_plan_fits, rank_plans
 from ..plan import PlanError
 from ..topology import TopologyError
@@ -75,6 +78,9 @@ def add_parser(subparsers) -> None:
                    help="with --allow-lossy, rank the outer-sync plans (+outer=H, islands that meet every H steps) too")
     o.add_argument("--top", type=int, help="rows to show (default 10; 0 = all; --json shows all)")
     o.add_argument("--json", action="store_true", help="machine-readable output")
+    o.add_argument("--explain", action="store_true",
+                   help="show, for the chosen plan, each tier's bytes, link time, codec time and exposed time, and "
+                        "whether each codec saves more link time than it costs (docs/cost-model.md)")
     p.set_defaults(func=run)
     one_line_errors(p)
 
@@ -105,13 +111,19 @@ def run(args: argparse.Namespace) -> int:
     top = args.top if args.top is not None else (0 if args.json else 10)
     shown = ranked[:top] if top > 0 else ranked
     if args.json:
-        json.dump(as_json(model, cluster, job, ranked, shown) | {"allow_lossy": args.allow_lossy},
-                  sys.stdout, indent=1)
+        doc = as_json(model, cluster, job, ranked, shown) | {"allow_lossy": args.allow_lossy}
+        if args.explain and ranked[0].tp == 1:
+            doc["explain"] = [asdict(t) | {"codec_pays": t.codec_pays}
+                              for t in tier_terms(ranked[0].plan, model, cluster, job)[1]]
+        json.dump(doc, sys.stdout, indent=1)
         print()
     else:
         print(render(model, cluster, job, ranked, shown))
         if not args.allow_lossy and candidates is None:
             print("(exact plans only: --allow-lossy ranks the quantized ones, qwz and qgz, too)")
+        if args.explain:
+            print()
+            print(explain(model, cluster, job, ranked[0]))
     return 0
 
 
@@ -266,6 +278,30 @@ def tie_note(ranked: list[Estimate], slow: str) -> str:
     head = f"{tied} plans tie the best step time. " if tied > 1 else ""
     return (f"({head}Ties, step times within {REL_TIE:g} (relative), rank by less quantization, then more free GB "
             f"(memory headroom), then fewer {slow} GB (bytes on the slowest tier))")
+
+
+def explain(model: ModelSpec, cluster: Cluster, job: Job, best: Estimate) -> str:
+    """The chosen plan's step, tier by tier ([Note: terms per tier] in cost/explain.py)."""
+    if best.tp != 1:
+        return f"(--explain shows plans without tensor parallelism; {best.label} has TP collectives " \
+               f"of {best.comm_tp:.3g} s per step on {cluster.tiers[0].name}, exposed)"
+    est, rows = tier_terms(best.plan, model, cluster, job)
+    rates = ", ".join(f"{spec} {rate / 1e9:.3g}" for spec, rate in cluster.codec_rates)
+    source = f"measured per codec (GB/s of values): {rates}" if rates else \
+        f"one measured rate, {cluster.codec_rate / 1e9:.3g} GB/s" if cluster.codec_rate else \
+        "not measured: codecs priced free (give a cluster file from tiershard probe)"
+    lines = [f"where the step goes, {best.label}: {est.step_time:.4g} s = compute {est.compute:.4g} s + exposed "
+             f"{est.exposed:.4g} s; codec rates {source}",
+             f"  {'tier':<8} {'GB/rank':>9} {'link s':>9} {'latency s':>9} {'codec s':>9} {'exposed s':>9}  codec"]
+    for t in rows:
+        verdict = "" if t.saved is None else \
+            f"{'pays' if t.codec_pays else 'does not pay'}: saves {t.saved:.3g} s of link time, costs {t.codec:.3g} s"
+        lines.append(f"  {t.tier:<8} {t.bytes_per_rank / 1e9:>9.4g} {t.link:>9.3g} {t.latency:>9.3g} {t.codec:>9.3g} "
+                     f"{t.exposed:>9.3g}  {verdict}")
+    lines.append("  (each collective is booked to the tier where its bytes take longest; exposed: what the overlap "
+                 "model leaves on the critical path; a codec pays where its encode + decode time is below the link "
+                 "time it saves against the same plan without codecs)")
+    return "\n".join(lines)
 
 
 def short_quality(e: Estimate) -> str:

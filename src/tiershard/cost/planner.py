@@ -350,7 +350,7 @@ def _tie_loss(e: Estimate, best: Estimate, mine: tuple, theirs: tuple) -> str:
     if mine[2] > theirs[2]:
         return "more quantization"
     if mine[3] > theirs[3]:
-        return f"less memory headroom ({e.headroom / gb:.3g} vs {best.headroom / gb:.3g} GB free)"
+        return f"less memory headroom ({e.headroom / gb:.4g} vs {best.headroom / gb:.4g} GB free)"
     if mine[4] > theirs[4]:
         tier = e.slowest_tier
         unit = "rank" if e.group_sizes[tier] == 1 else "node" if tier == next(reversed(e.group_sizes)) else "group"
