@@ -102,7 +102,7 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 def test_the_checker_sees_a_circle_and_a_lazy_import():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     edges = graph()
-    assert "tiershard.cost" in edges["tiershard"]                # ts.Plan.auto, imported inside a function
+    assert "tiershard.runtime.api" in edges["tiershard"]         # ts.shard, imported inside a function
     assert "tiershard.runtime.api" in edges["tiershard.checkpoint.sharded"]   # likewise
     assert "tiershard.plan" in edges["tiershard.cost.traffic"]                 # only for type checking
 
@@ -152,4 +152,27 @@ def test_public_names():
 
     for name in ts.__all__:
         assert getattr(ts, name) is not None
-    assert ts.Plan.auto.__module__ == "tiershard"
+    # Plan.auto is an ordinary method of Plan, and the cost model's auto_plan is what it runs
+    from tiershard import cost, plan
+
+    assert ts.Plan.auto.__module__ == "tiershard.plan" and "auto" in vars(ts.Plan)
+    assert plan._planner() is cost.auto_plan
+
+
+def test_the_emulated_cluster_split_keeps_its_names():
+    """cluster/emulated.py was split by concern (docs/layout.md); every name it had still imports from it, as the
+    same object as in the module that now holds it, and each module of cluster/ fits in one read."""
+    from tiershard.cluster import check, counters, emulated, launch, netns
+
+    homes = {netns: ("ClusterError", "parse_rate", "format_rate", "tbf_args", "tbf_burst", "check_name", "PREFIX",
+                     "IFNAME", "NODE_NETNS_ENV", "STATE_DIR", "check_tiers", "up_commands", "shape_commands",
+                     "require_root_and_tools", "namespaces_unavailable", "list_namespaces", "list_clusters"),
+             launch: ("LaunchError", "RankResult", "rank_env"),
+             counters: ("read_node_uplink", "ring_allreduce_tier_bytes", "ring_allreduce_nic_bytes"),
+             check: ("allreduce_job", "summarize_allreduce")}
+    for module, names in homes.items():
+        for name in names:
+            assert getattr(emulated, name) is getattr(module, name), name
+    assert emulated._main is check.main
+    for path in (SRC / "tiershard" / "cluster").glob("*.py"):
+        assert len(path.read_text().splitlines()) <= 450, f"{path.name} no longer fits in one read: split it"

@@ -12,6 +12,7 @@ The package root holds the core concepts (``topology``, ``plan``) and this facad
 from __future__ import annotations
 
 from . import _moved
+from . import cost as _cost          # the planner behind ts.Plan.auto ([Note: the planner behind Plan.auto])
 from .comm.failure import CollectiveError
 from .comm.ledger import comm_stats, reset_comm_stats
 from .plan import Plan, PlanError
@@ -24,18 +25,6 @@ __all__ = [
 ]
 
 _moved.install()
-
-
-def _auto_plan(*args, **kwargs) -> Plan:
-    """The fastest exact plan that fits in memory (lossy ones too with ``allow_lossy=True``), as the cost model
-    predicts: ``tiershard.cost.auto_plan``."""
-    from .cost import auto_plan
-
-    return auto_plan(*args, **kwargs)
-
-
-# ``ts.Plan.auto``: attached here, above both, because plans sit below the cost model and never import it.
-Plan.auto = staticmethod(_auto_plan)
 
 
 def __getattr__(name: str):

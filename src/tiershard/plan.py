@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from .topology import Topology
@@ -57,6 +57,26 @@ OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9        # DiLoCo's outer Nesterov SGD
 
 class PlanError(ValueError):
     """A plan that is malformed, or cannot fit the topology; the message names the fix."""
+
+
+# [Note: the planner behind Plan.auto] Choosing a plan is the cost model's job (cost/planner.py), and the cost model
+# sits above plans: it imports them, so this module cannot import it (docs/layout.md). ``Plan.auto`` is declared
+# here, with the class, and calls the one planner that ``tiershard.cost.planner`` hands over when it is imported
+# (``use_planner(auto_plan)``); the package's facade imports the cost model, so any ``import tiershard...`` has
+# done so before a caller can reach ``Plan.auto``.
+_PLANNER: "Callable[..., Plan] | None" = None
+
+
+def use_planner(planner: "Callable[..., Plan]") -> None:
+    """Make ``planner`` (``tiershard.cost.auto_plan``) the function behind ``Plan.auto``."""
+    global _PLANNER
+    _PLANNER = planner
+
+
+def _planner() -> "Callable[..., Plan]":
+    if _PLANNER is None:        # only reachable by loading this file outside the package
+        raise RuntimeError("Plan.auto needs the cost model: import tiershard.cost (the package import does)")
+    return _PLANNER
 
 
 @dataclass(frozen=True)
@@ -161,6 +181,14 @@ class Plan:
             object.__setattr__(self, "outer", OuterSpec.parse(str(self.outer)))
         elif self.outer is not None and not isinstance(self.outer, OuterSpec):
             raise PlanError(f"outer={self.outer!r}: give a period like outer=100 ([Note: outer sync])")
+
+    # ---- the cost model's pick -----------------------------------------------------------------
+    @staticmethod
+    def auto(model: object, cluster: object, job: object = None, **options: object) -> "Plan":
+        """The fastest exact plan that fits ``model`` on ``cluster`` (lossy ones too with ``allow_lossy=True``), as the
+        cost model predicts: ``tiershard.cost.auto_plan(model, cluster, job, **options)``, which documents the
+        arguments ([Note: the planner behind Plan.auto]). Raises ``tiershard.cost.NoPlanFits``."""
+        return _planner()(model, cluster, job, **options)
 
     # ---- text ---------------------------------------------------------------------------------
     @classmethod

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -25,14 +27,21 @@ def test_probe_writes_a_cluster_file_plan_reads(tmp_path):
     tiers = doc["cluster"]["tiers"]
     assert [(t["name"], t["size"]) for t in tiers] == [("node", 2), ("world", 4)]
     for tier in tiers:
-        for key in ("bandwidth", "latency", "all_to_all_bandwidth", "all_to_all_latency"):
-            assert tier[key] > 0, (tier["name"], key)
+        for kind in ("", "all_to_all_", "reduce_scatter_", "all_reduce_", "broadcast_"):
+            for key in (f"{kind}bandwidth", f"{kind}latency"):
+                assert tier[key] > 0, (tier["name"], key)
+    codecs = doc["cluster"]["codecs"]           # every codec the plans use, encode and decode measured
+    assert set(codecs) == {"int8:2048", "int8:128:h", "int4:128:h:sr", "int4:2048", "int4:64"}
+    for rates in codecs.values():
+        assert rates["rate"] == pytest.approx(2 / (1 / rates["encode"] + 1 / rates["decode"]), rel=1e-4)
+    assert "codec int4:128:h:sr" in proc.stdout and "reduce-scatter" in proc.stdout
     plan = subprocess.run([sys.executable, "-m", "tiershard.cli", "plan", "--cluster-file", str(out),
                            "--gpus", "16", "--gpus-per-node", "4", "--model", "1.3b", "--json", "--top", "1"],
                           capture_output=True, text=True, timeout=120)
     assert plan.returncode == 0, plan.stderr
     result = json.loads(plan.stdout)
     assert [t["bandwidth"] for t in result["cluster"]["tiers"]] == [t["bandwidth"] for t in tiers]
+    assert result["cluster"]["codec_rates"] == pytest.approx({spec: r["rate"] for spec, r in codecs.items()})
 
 
 def test_fit_recovers_bandwidth_and_latency():

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import tiershard.cluster.emulated as tc
+import tiershard.cluster.netns as host      # the host side: patch its run_ip / STATE_DIR to fake ip and tc
 from tiershard.cluster.emulated import (ClusterError, EmulatedCluster, LaunchError, cluster_namespaces,
                                         format_rate, parse_rate, rank_env, ring_allreduce_nic_bytes, shape_commands,
                                         up_commands)
@@ -125,7 +126,7 @@ def test_node_command_wraps_in_the_node_namespace():
 
 
 def test_not_root_is_one_clear_error(monkeypatch, capsys):
-    monkeypatch.setattr(tc.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(host.os, "geteuid", lambda: 1000)
     with pytest.raises(ClusterError, match="needs root"):
         EmulatedCluster(2, 2, "250mbit").up()
     from tiershard.cli import main
@@ -135,8 +136,8 @@ def test_not_root_is_one_clear_error(monkeypatch, capsys):
 
 
 def test_missing_iproute2_is_one_clear_error(monkeypatch, capsys):
-    monkeypatch.setattr(tc.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(tc.shutil, "which", lambda tool, path=None: "/usr/sbin/ip" if tool == "ip" else None)
+    monkeypatch.setattr(host.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(host.shutil, "which", lambda tool, path=None: "/usr/sbin/ip" if tool == "ip" else None)
     with pytest.raises(ClusterError, match="tc not found: install iproute2"):
         tc.require_root_and_tools()
     from tiershard.cli import main
@@ -176,8 +177,8 @@ class FakeIp:
 def test_interrupted_up_leaves_nothing(monkeypatch, tmp_path, exc):
     fake = FakeIp(interrupt_at=12, exc=exc)
     fake.namespaces.add("ts-other-n0")                      # another cluster: must survive
-    monkeypatch.setattr(tc, "_run", fake)
-    monkeypatch.setattr(tc, "STATE_DIR", tmp_path / "state")
+    monkeypatch.setattr(host, "run_ip", fake)
+    monkeypatch.setattr(host, "STATE_DIR", tmp_path / "state")
     cluster = EmulatedCluster(3, 2, "250mbit", name="mid")
     cluster._tools = {"ip": "ip", "tc": "tc"}
     with pytest.raises(exc):
@@ -189,8 +190,8 @@ def test_interrupted_up_leaves_nothing(monkeypatch, tmp_path, exc):
 
 def test_existing_cluster_is_refused_or_replaced(monkeypatch, tmp_path):
     fake = FakeIp()
-    monkeypatch.setattr(tc, "_run", fake)
-    monkeypatch.setattr(tc, "STATE_DIR", tmp_path / "s")
+    monkeypatch.setattr(host, "run_ip", fake)
+    monkeypatch.setattr(host, "STATE_DIR", tmp_path / "s")
     first = EmulatedCluster(2, 1, None, name="dup")
     first._tools = {"ip": "ip", "tc": "tc"}
     first.up()
@@ -276,13 +277,13 @@ def test_real_cluster_allreduce_bytes_match_the_ring_formula(netns, capsys):
         assert main(["cluster", "up", "--name", name]) == 2
         assert "already up" in capsys.readouterr().err
     assert _ts_namespaces() == before
-    assert not tc._state_path(name).exists()
+    assert not host.state_path(name).exists()
 
 
 def test_real_interrupted_up_and_exception_in_with_leave_nothing(netns, monkeypatch):
     before = _ts_namespaces()
     name = f"i{os.getpid() % 100000}"
-    real_run, calls = tc._run, []
+    real_run, calls = host.run_ip, []
 
     def interrupting(cmd, tools, check=True):
         calls.append(cmd)
@@ -290,10 +291,10 @@ def test_real_interrupted_up_and_exception_in_with_leave_nothing(netns, monkeypa
             raise KeyboardInterrupt
         return real_run(cmd, tools, check)
 
-    monkeypatch.setattr(tc, "_run", interrupting)
+    monkeypatch.setattr(host, "run_ip", interrupting)
     with pytest.raises(KeyboardInterrupt):
         EmulatedCluster(2, 1, "250mbit", name=name).up()
-    monkeypatch.setattr(tc, "_run", real_run)
+    monkeypatch.setattr(host, "run_ip", real_run)
     assert _ts_namespaces() == before
 
     with pytest.raises(RuntimeError, match="boom"):

@@ -128,6 +128,12 @@ def test_cluster_file(tmp_path, capsys):
     doc = _json(capsys, ["plan", "--cluster-file", str(f), "--gpus", "64", "--top", "2"])
     assert doc["cluster"]["name"] == "lab" and [t["size"] for t in doc["cluster"]["tiers"]] == [4, 64]
     assert doc["cluster"]["tiers"][1]["bandwidth"] == 5e9
+    # the header names the overlap the estimates use: the cluster's measured one, not the job's default
+    assert main(["plan", "--cluster-file", str(f), "--top", "1"]) == 0
+    assert "up to 80% of compute (the job's assumption)" in capsys.readouterr().out
+    f.write_text(f.read_text().replace('peak_flops = 1.25e14\n', 'peak_flops = 1.25e14\noverlap = 0.05\n'))
+    assert main(["plan", "--cluster-file", str(f), "--top", "1"]) == 0
+    assert "up to 5% of compute (measured, from the cluster)" in capsys.readouterr().out
 
 
 BAD = [
@@ -177,3 +183,22 @@ def test_console_script_exit_code_and_no_traceback():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_explain_shows_the_terms_per_tier_with_measured_codec_rates(tmp_path, capsys):
+    f = tmp_path / "cluster.toml"
+    f.write_text('[cluster]\nname = "lab"\ngpu_memory = 8e10\npeak_flops = 1.25e14\n'
+                 '[[cluster.tiers]]\nname = "node"\nsize = 8\nbandwidth = 1.0e11\n'
+                 '[[cluster.tiers]]\nname = "world"\nsize = 64\nbandwidth = 3.125e7\n'
+                 '[cluster.codecs."int8:128:h"]\nrate = 2e10\n[cluster.codecs."int4:128:h:sr"]\nrate = 5e9\n')
+    args = ["plan", "--cluster-file", str(f), "--model", "1.3b", "--allow-lossy", "--plans", "GGG+qgz", "--explain"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "where the step goes, GGG+qgz:" in out and "int4:128:h:sr 5" in out
+    world = next(line for line in out.splitlines() if line.strip().startswith("world "))
+    assert "pays: saves" in world
+    doc = _json(capsys, [*args, "--top", "1"])
+    terms = {t["tier"]: t for t in doc["explain"]}
+    assert terms["world"]["codec_pays"] is True and terms["world"]["saved"] > terms["world"]["codec"] > 0
+    assert sum(t["exposed"] for t in terms.values()) == pytest.approx(doc["plans"][0]["exposed_s"])
+    assert doc["cluster"]["codec_rates"] == {"int4:128:h:sr": 5e9, "int8:128:h": 2e10}

@@ -346,3 +346,47 @@ def test_outer_sync_bytes_and_exposed_time():
     # memory: anchor and momentum beside the masters
     assert cost.evaluate("IIG+outer=10", model, slow, job).memory.optimizer == pytest.approx(
         plain.memory.optimizer + 8 * model.trainable / 2)
+
+
+# ---- where the step goes (tiershard plan --explain) ---------------------------------------------------------------
+@pytest.mark.parametrize("plan", ["GGG", "IIG", "zero++", "GGG+hpz+qgz+cc", "IIG+outer=50:f5"])
+@pytest.mark.parametrize("inter", [25e9, 31.25e6])
+def test_tier_terms_add_up_to_the_estimate(plan, inter):
+    from tiershard.cost.explain import tier_terms
+
+    cluster = replace(_with_inter(DGX64, inter), codec_rates=(("int8:128:h", 20e9), ("int4:128:h:sr", 5e9)),
+                      codec_rate=10e9)
+    for job in (Job(), Job(accum=4, overlap=0.3)):
+        est, rows = tier_terms(plan, SEVEN_B, cluster, job)
+        assert sum(r.exposed for r in rows) == pytest.approx(est.exposed, rel=1e-9, abs=1e-12)
+        assert {r.tier: r.link for r in rows} == pytest.approx(est.tier_seconds)
+        assert all(r.exposed >= -1e-12 and r.codec >= 0 for r in rows)
+
+
+def test_a_codec_pays_where_its_time_is_below_the_link_time_it_saves():
+    from tiershard.cost.explain import tier_terms
+
+    def world(inter, rate):
+        cluster = replace(_with_inter(DGX64, inter), codec_rates=(("int8:128:h", rate), ("int4:128:h:sr", rate)))
+        return next(r for r in tier_terms("GGG+qgz", SEVEN_B, cluster, Job())[1] if r.tier == "world")
+
+    slow_link = world(31.25e6, 1e9)         # 250 Mbit/s per GPU: the codec saves far more than it costs
+    assert slow_link.codec_pays and slow_link.saved > slow_link.codec > 0
+    slow_codec = world(25e9, 1e8)           # a fast link, a slow codec: it costs more than it saves
+    assert slow_codec.codec_pays is False and slow_codec.codec > slow_codec.saved
+    assert world(25e9, 1e8).codec == pytest.approx(10 * world(25e9, 1e9).codec)    # priced at its own rate
+    exact = tier_terms("GGG", SEVEN_B, DGX64, Job())[1]
+    assert all(r.saved is None and r.codec_pays is None for r in exact)
+
+
+def test_each_codec_is_priced_at_its_own_rate():
+    fast = replace(DGX64, codec_rates=(("int8:128:h", 1e12), ("int4:128:h:sr", 1e12)), codec_rate=1e6)
+    slow = replace(fast, codec_rates=(("int8:128:h", 1e9), ("int4:128:h:sr", 1e9)))
+    plan = "GGG+qgz"
+    assert cost.evaluate(plan, SEVEN_B, slow, Job()).comm_micro > cost.evaluate(plan, SEVEN_B, fast, Job()).comm_micro
+    # a codec the table lacks falls back to the one rate; no rate at all: codecs are free, as before
+    only_one = replace(DGX64, codec_rates=(("int8:128:h", 1e9),), codec_rate=1e9)
+    assert cost.evaluate(plan, SEVEN_B, only_one, Job()).step_time == pytest.approx(
+        cost.evaluate(plan, SEVEN_B, replace(DGX64, codec_rate=1e9), Job()).step_time)
+    with pytest.raises(ValueError, match="codec_rates entry"):
+        replace(DGX64, codec_rates=(("int8", -1.0),))

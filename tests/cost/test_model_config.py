@@ -1,5 +1,6 @@
 """A ModelSpec from a Hugging Face config.json, counted against transformers' own build, and the planner's
-tie rule (time within REL_TIE, then fewer outermost-tier bytes, less memory, the plan text)."""
+tie rule (time within REL_TIE, then less quantization, more memory headroom, fewer bytes on the slowest tier, ...)
+and the no-fit message, true to the job given."""
 from __future__ import annotations
 
 import json
@@ -95,18 +96,86 @@ def test_ranking_does_not_depend_on_candidate_order():
         assert str(cost.auto_plan(model, cluster, job, candidates=shuffled)) == reference[0]
 
 
-def test_times_within_the_tolerance_tie_and_fewer_outer_bytes_win():
+def test_times_within_the_tolerance_tie_then_headroom_then_slowest_tier_bytes():
     cluster = clusters.preset("dgx-a100", 64)
     model, job = ModelSpec.named("7b"), Job()
-    zero3, paro = (cost.evaluate(code, model, cluster, job) for code in ("GGG", "IIG"))
-    assert paro.tier_bytes["world"] < zero3.tier_bytes["world"]
-    # GGG a hair faster, by less than the tolerance, straddling a 6-digit rounding boundary: still a tie
+    zero3, paro, zero3_cc = (cost.evaluate(code, model, cluster, job) for code in ("GGG", "IGG", "GGG+cc"))
+    assert zero3.headroom > paro.headroom and zero3.tier_bytes["world"] > paro.tier_bytes["world"]
+    assert zero3.slowest_tier == "world" and zero3_cc.memory.total == zero3.memory.total
+    # GGG a hair slower, by less than the tolerance, straddling a 6-digit rounding boundary: still a tie, and its
+    # headroom wins over IGG's fewer inter-node bytes
     t = 1.0000051
-    fast, slow = replace(zero3, step_time=t * (1 - 0.4 * cost.REL_TIE)), replace(paro, step_time=t)
+    fast, slow = replace(paro, step_time=t * (1 - 0.4 * cost.REL_TIE)), replace(zero3, step_time=t)
     for order in ([fast, slow], [slow, fast]):
         ranked = cost.rank_estimates(order)
-        assert [str(e.plan) for e in ranked] == ["IIG", "GGG"]
-        assert ranked[1].reason == "ties; more inter-node bytes"
+        assert [str(e.plan) for e in ranked] == ["GGG", "IGG"]
+        assert ranked[1].reason.startswith("ties; less memory headroom (") and "GB free" in ranked[1].reason
+    # equal headroom: fewer bytes on the slowest tier win
+    ranked = cost.rank_estimates([replace(zero3, step_time=t), replace(zero3_cc, step_time=t)])
+    assert [str(e.plan) for e in ranked] == ["GGG+cc", "GGG"]
+    assert ranked[1].reason.startswith("ties; more bytes on the slowest tier, world (")
     # beyond the tolerance time decides
     faster = replace(fast, step_time=t * (1 - 3 * cost.REL_TIE))
-    assert [str(e.plan) for e in cost.rank_estimates([slow, faster])] == ["GGG", "IIG"]
+    assert [str(e.plan) for e in cost.rank_estimates([slow, faster])] == ["IGG", "GGG"]
+
+
+def test_the_slowest_tier_is_the_one_with_least_bandwidth():
+    from tiershard.cost import Cluster, Tier
+    # a node tier slower than the world's (a PCIe box on a fast fabric): its bytes break the tie
+    odd = Cluster(tiers=(Tier(name="node", size=8, bandwidth=5e9), Tier(name="world", size=64, bandwidth=25e9)), gpu_memory=80e9, peak_flops=312e12)
+    assert cost.evaluate("GGG", ModelSpec.named("7b"), odd, Job()).slowest_tier == "node"
+    same = Cluster(tiers=(Tier(name="node", size=8, bandwidth=5e9), Tier(name="world", size=64, bandwidth=5e9)), gpu_memory=80e9, peak_flops=312e12)
+    assert cost.planner.slowest_tier(same) == "world"
+
+
+LLAMA2 = {"13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                      num_key_value_heads=40),
+          "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                      num_key_value_heads=8)}
+
+
+@pytest.mark.parametrize("size", ["7b", "13b", "70b"])
+def test_llama2_ties_rank_by_headroom_then_slowest_tier_bytes(tmp_path, capsys, size):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**LLAMA2_7B, **LLAMA2.get(size, {})}))
+    assert main(["plan", "--model-config", str(path), "--gpus", "64", "--gpus-per-node", "8", "--top", "0"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line[:4].strip().isdigit()]
+    tied = [r for r in rows if r[2] == rows[0][2] and "does not fit" not in " ".join(r)]
+    assert len(tied) >= 5 and rows[:len(tied)] == tied, out                                   # compute-bound: the top plans tie
+    keys = [(-float(r[5]), float(r[6])) for r in tied]          # free GB (more first), world GB/node (fewer first)
+    assert keys == sorted(keys), out
+    assert rows[0][1] == "GGG+cc" and all("ties; " in " ".join(r) for r in tied[1:])
+    assert "free GB" in out and "world GB/node" in out
+    assert f"{len(tied)} plans tie the best step time. Ties, step times within 1e-06 (relative), rank by less " \
+           "quantization, then more free GB (memory headroom), then fewer world GB (bytes on the slowest tier)" in out
+
+
+@pytest.mark.parametrize("flags,says,never", [
+    ([], ["add devices (GGG fits on 24)", "shorten the sequence (now 2048)", "weigh tensor parallelism"],
+     ["recompute", "micro-batch"]),
+    (["--no-recompute", "--micro-batch", "2"], ["lower the micro-batch (now 2)", "turn on recompute"],
+     ["add devices"]),                        # what does not shard already exceeds a device
+    (["--tp", "1,2,4,8"], ["add devices (GGG tp=4 fits on 16)"], ["recompute", "weigh tensor parallelism"]),
+])
+def test_the_no_fit_message_is_true_to_the_flags(tmp_path, capsys, flags, says, never):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**LLAMA2_7B, **LLAMA2["70b"]}))
+    assert main(["plan", "--model-config", str(path), "--gpus", "8", "--gpus-per-node", "8", *flags]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "77.3 GB usable (85.9 GB less the 10% reserve) per device" in err, err
+    assert all(s in err for s in says) and not any(n in err for n in never), err
+
+
+def test_the_device_count_named_fits_and_one_node_fewer_does_not():
+    cluster = clusters.preset("dgx-a100", 8).resized(8, 8)
+    model = ModelSpec.from_hf_config({**LLAMA2_7B, **LLAMA2["70b"]})
+    with pytest.raises(cost.NoPlanFits, match=r"GGG tp=4 fits on 16\)") as err:
+        cost.auto_plan(model, cluster, Job())
+    assert "turn on recompute" not in str(err.value)
+    assert cost.evaluate("GGG", model, cluster.resized(16), Job(), tp=4).fits
+    assert not cost.evaluate("GGG", model, cluster.resized(8), Job(), tp=4).fits
+    with pytest.raises(cost.NoPlanFits, match=r"GGG fits on 24\)"):      # without TP: whole nodes, 3 of them
+        cost.auto_plan(model, cluster, Job(), tp=(1,))
+    assert cost.evaluate("GGG", model, cluster.resized(24), Job()).fits
+    assert not cost.evaluate("GGG", model, cluster.resized(16), Job()).fits

@@ -127,7 +127,7 @@ def tier_sizes(cfg: BenchConfig) -> tuple[int, ...]:
 def rate_settings(cfg: BenchConfig) -> list[tuple[str, tuple[int | None, ...]]]:
     """Each setting of the links as (label, bits/s per tier innermost first, None uncapped): two tiers
     ``("250mbit", (None, 250e6))``; three ``("none/2gbit/250mbit", (None, 2e9, 250e6))``."""
-    from ..cluster.emulated import ClusterError, check_tiers, format_rate, parse_rate
+    from ..cluster.netns import ClusterError, check_tiers, format_rate, parse_rate
 
     settings = []
     for rate in cfg.rates:
@@ -197,7 +197,7 @@ def check_config(cfg: BenchConfig) -> None:
     if cfg.nodes < 2:
         raise BenchError(f"nodes={cfg.nodes}: the bench compares node-crossing traffic, give at least 2 nodes")
     if cfg.tiers:
-        from ..cluster.emulated import ClusterError, check_tiers
+        from ..cluster.netns import ClusterError, check_tiers
 
         try:
             check_tiers(tuple(cfg.tiers), ("none",) * len(cfg.tiers))

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from ..cluster.emulated import read_node_uplink
+from ..cluster.counters import read_node_uplink
 from .config import COMPUTE, PARAM_BYTES, REDUCE_BYTES, RESULT_PREFIX
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 def _read_nic() -> dict[str, int]:
     """This node's NIC counters (the rank runs inside the node's namespace, which shows that node's /sys)."""
-    from ..cluster.emulated import IFNAME
+    from ..cluster.netns import IFNAME
 
     stats = Path(f"/sys/class/net/{IFNAME}/statistics")
     return {"tx": int((stats / "tx_bytes").read_text()), "rx": int((stats / "rx_bytes").read_text())}

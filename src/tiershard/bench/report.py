@@ -148,6 +148,8 @@ def render_markdown(results: dict, command: str | None = None) -> str:
         f"{links.get('inter_bw', 0) / 1e9:.3g} GB/s and {links.get('inter_latency', 0) * 1e6:.0f} us per rank"
         + (f", overlap {links['overlap']:.2f}" if "overlap" in links else "")
         + (f", codec rate {links['codec_rate'] / 1e9:.3g} GB/s" if "codec_rate" in links else "")
+        + (", per codec " + ", ".join(f"{spec} {rate / 1e9:.3g}" for spec, rate in links["codec_rates"].items())
+           + " GB/s" if links.get("codec_rates") else "")
         + f" ({links.get('source', '-')}); a capped inter-node tier is the cap shared by a node's ranks; peak flops "
         "calibrated to the compute-only step"
         + (f" ({results['calibration_micro_s'] * 1e3:.0f} ms per micro-step for the planner's pick, each "

@@ -123,6 +123,8 @@ def measure_links(cfg: BenchConfig, cluster, log: Callable[[str], None]) -> dict
     for key in ("overlap", "codec_rate"):
         if key in table:
             links[key] = float(table[key])
+    if "codecs" in table:           # each codec's own measured rate (Cluster.codec_rates)
+        links["codec_rates"] = {spec: float(v["rate"]) for spec, v in table["codecs"].items()}
     return links
 
 
@@ -171,6 +173,8 @@ def cost_cluster(cfg: BenchConfig, links: dict, rate_bits: int | None, micro_sec
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / cfg.world
     extra = {k: links[k] for k in ("overlap", "codec_rate")
              if k in links and k in {f.name for f in dataclasses.fields(Cluster)}}
+    if links.get("codec_rates"):
+        extra["codec_rates"] = tuple(links["codec_rates"].items())
     unit = Cluster(tiers=tiers, gpu_memory=memory, peak_flops=1.0, name="emulated", **extra)
     flops = compute_seconds(model_spec(cfg), cost_job(cfg, 1), unit)     # at 1 flop/s: the flop count
     return replace(unit, peak_flops=flops / max(micro_seconds, 1e-9))

@@ -72,7 +72,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cluster.emulated import ClusterError, LaunchError
+    from ..cluster.launch import LaunchError
+    from ..cluster.netns import ClusterError
 
     try:
         return ACTIONS[args.action](args)
@@ -84,7 +85,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from ..cluster.emulated import EmulatedCluster, _terminate_as_interrupt, format_rate
+    from ..cluster.emulated import EmulatedCluster
+    from ..cluster.launch import terminate_as_interrupt
+    from ..cluster.netns import format_rate
 
     if args.tiers:
         sizes = _sizes(args.tiers)
@@ -96,7 +99,7 @@ def _up(args: argparse.Namespace) -> int:
     else:
         cluster = EmulatedCluster(args.nodes, args.ranks_per_node, args.inter_bw, name=args.name,
                                   replace=args.replace)
-    with _terminate_as_interrupt():
+    with terminate_as_interrupt():
         cluster.up()
     groups = "" if cluster.groups_per_node == 1 else \
         f" ({cluster.groups_per_node} groups of {cluster.ranks_per_group}, group links {format_rate(cluster.node_bw)})"
@@ -114,7 +117,8 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from ..cluster.emulated import EmulatedCluster, down_all, list_clusters
+    from ..cluster.emulated import EmulatedCluster, down_all
+    from ..cluster.netns import list_clusters
 
     if args.all:
         names = down_all()
@@ -132,7 +136,8 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from ..cluster.emulated import EmulatedCluster, list_clusters
+    from ..cluster.emulated import EmulatedCluster
+    from ..cluster.netns import list_clusters
 
     names = [args.name] if args.name else list(list_clusters())
     if not names:
@@ -148,7 +153,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _describe(cluster) -> dict:
-    from ..cluster.emulated import IFNAME, format_rate
+    from ..cluster.netns import IFNAME, format_rate
 
     caps, counts = cluster.link_caps(), cluster.nic_bytes()
     doc = {"name": cluster.name, "nodes": cluster.nodes, "ranks_per_node": cluster.ranks_per_node,
@@ -191,7 +196,8 @@ def _print_status(cluster) -> None:
 
 
 def _set_bw(args: argparse.Namespace) -> int:
-    from ..cluster.emulated import EmulatedCluster, format_rate, parse_rate
+    from ..cluster.emulated import EmulatedCluster
+    from ..cluster.netns import format_rate, parse_rate
 
     if (args.rate is None) == (args.rates is None):
         raise CliError("set-bw takes either the inter-node rate (set-bw 1gbit) or --rates for every tier")
@@ -212,7 +218,9 @@ def _set_bw(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from ..cluster.emulated import EmulatedCluster, format_rate, summarize_allreduce
+    from ..cluster.check import summarize_allreduce
+    from ..cluster.emulated import EmulatedCluster
+    from ..cluster.netns import format_rate
     from ..cost.presets import parse_bytes
 
     try:
@@ -249,7 +257,8 @@ def _check(args: argparse.Namespace) -> int:
 def _check_tiers(cluster, nbytes: int, args: argparse.Namespace) -> int:
     """Three tiers: world all_reduces only; each tier's link bytes per node and op, read outside the ranks around
     the launch (warm-up and setup included, so a little above the formula)."""
-    from ..cluster.emulated import format_rate, ring_allreduce_tier_bytes
+    from ..cluster.counters import ring_allreduce_tier_bytes
+    from ..cluster.netns import format_rate
 
     before = cluster.tier_nic_bytes()
     results = cluster.launch([sys.executable, "-m", "tiershard.cluster", "allreduce", "--bytes", str(nbytes),

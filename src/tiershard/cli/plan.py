@@ -5,7 +5,9 @@ The cluster, model and job come from, in increasing priority: the dgx-a100 prese
 ``--cluster PRESET`` or ``--tiers``, then the single-number flags.
 
 Only exact plans are ranked unless ``--allow-lossy`` (qwz, qgz change the training numerics, docs/zeropp.md);
-plans named with ``--plans`` are all ranked. Each row says ``exact`` or ``lossy`` with the codecs' bits.
+plans named with ``--plans`` are all ranked. Each row says ``exact`` or ``lossy`` with the codecs' bits. Equal
+step times are ranked by memory headroom, then bytes on the slowest tier (the table's ``free GB`` and bytes
+columns); ``--explain`` shows where the chosen plan's step goes, tier by tier, and whether each codec pays.
 """
 from __future__ import annotations
 
@@ -13,11 +15,12 @@ import argparse
 import json
 import re
 import sys
-from dataclasses import fields, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 from ..cost import presets as clusters
-from ..cost import MODELS, Cluster, Estimate, Job, ModelSpec, coerce_model, no_plan_fits, rank_plans
+from ..cost.explain import tier_terms
+from ..cost import MODELS, REL_TIE, Cluster, Estimate, Job, ModelSpec, coerce_model, no_plan_fits, rank_plans
 from ..plan import PlanError
 from ..topology import TopologyError
 from . import CliError
@@ -75,6 +78,9 @@ def add_parser(subparsers) -> None:
                    help="with --allow-lossy, rank the outer-sync plans (+outer=H, islands that meet every H steps) too")
     o.add_argument("--top", type=int, help="rows to show (default 10; 0 = all; --json shows all)")
     o.add_argument("--json", action="store_true", help="machine-readable output")
+    o.add_argument("--explain", action="store_true",
+                   help="show, for the chosen plan, each tier's bytes, link time, codec time and exposed time, and "
+                        "whether each codec saves more link time than it costs (docs/cost-model.md)")
     p.set_defaults(func=run)
     one_line_errors(p)
 
@@ -101,17 +107,23 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, PlanError, TopologyError) as err:
         raise CliError(str(err)) from None
     if not ranked or not ranked[0].fits:
-        raise CliError(str(no_plan_fits(model, cluster, ranked)))
+        raise CliError(str(no_plan_fits(model, cluster, ranked, job)))
     top = args.top if args.top is not None else (0 if args.json else 10)
     shown = ranked[:top] if top > 0 else ranked
     if args.json:
-        json.dump(as_json(model, cluster, job, ranked, shown) | {"allow_lossy": args.allow_lossy},
-                  sys.stdout, indent=1)
+        doc = as_json(model, cluster, job, ranked, shown) | {"allow_lossy": args.allow_lossy}
+        if args.explain and ranked[0].tp == 1:
+            doc["explain"] = [asdict(t) | {"codec_pays": t.codec_pays}
+                              for t in tier_terms(ranked[0].plan, model, cluster, job)[1]]
+        json.dump(doc, sys.stdout, indent=1)
         print()
     else:
         print(render(model, cluster, job, ranked, shown))
         if not args.allow_lossy and candidates is None:
             print("(exact plans only: --allow-lossy ranks the quantized ones, qwz and qgz, too)")
+        if args.explain:
+            print()
+            print(explain(model, cluster, job, ranked[0]))
     return 0
 
 
@@ -223,6 +235,9 @@ def build_job(args: argparse.Namespace, table: dict) -> Job:
 
 # ---- output -------------------------------------------------------------------------------------
 def describe(model: ModelSpec, cluster: Cluster, job: Job) -> list[str]:
+    # the overlap the estimates use: the cluster's measured one wins over the job's ([Note: overlap model])
+    overlap, source = (job.overlap, "the job's assumption") if cluster.overlap is None else \
+        (cluster.overlap, "measured, from the cluster")
     tiers = ", ".join(f"{t.name} x{t.size} @{t.bandwidth / 1e9:.3g} GB/s {t.latency * 1e6:.3g}us" for t in cluster.tiers)
     return [
         f"model   {model.label}: {model.params:.3g} params, {100 * model.trainable_fraction:.3g}% trainable, "
@@ -231,27 +246,61 @@ def describe(model: ModelSpec, cluster: Cluster, job: Job) -> list[str]:
         f"{cluster.gpu_memory / 1e9:.3g} GB, {cluster.peak_flops / 1e12:.4g} TFLOPS peak",
         f"job     micro-batch {job.micro_batch} x seq {job.seq}, accum {job.accum}, recompute "
         f"{'on' if job.recompute else 'off'}, efficiency {job.efficiency:g}; micro-step comm hides behind up to "
-        f"{job.overlap:.0%} of compute, the parameter sync behind at most one forward, the boundary gradient sync is "
-        "exposed",
+        f"{overlap:.0%} of compute ({source}), the parameter sync behind at most one forward, the boundary gradient "
+        "sync is exposed",
     ]
 
 
 def render(model: ModelSpec, cluster: Cluster, job: Job, ranked: list[Estimate], shown: list[Estimate]) -> str:
-    outer = cluster.tiers[-1].name
     best = ranked[0]
+    slow = best.slowest_tier
+    unit = "node" if slow == cluster.tiers[-1].name else "rank" if best.group_sizes[slow] == 1 else "group"
     lines = describe(model, cluster, job)
     lines.append(f"best    {best.label}: {best.step_time:.4g} s per step, {best.tflops_per_device:.3g} TFLOPS per "
                  f"device, {best.memory.total / 1e9:.3g} GB per device; {best.reason}")
     lines.append("")
-    head = f"{'#':>4}  {'plan':<24} {'step s':>8} {'x best':>7} {'mem GB':>7} {outer + ' GB/node':>14} " \
-           f"{'exposed s':>9}  {'quality':<16}  why"
+    head = f"{'#':>4}  {'plan':<24} {'step s':>8} {'x best':>7} {'mem GB':>7} {'free GB':>7} " \
+           f"{slow + ' GB/' + unit:>14} {'exposed s':>9}  {'quality':<16}  why"
     lines.append(head)
     for i, e in enumerate(shown, 1):
         lines.append(f"{i:>4}  {e.label:<24} {e.step_time:>8.4g} {e.step_time / best.step_time:>7.3f} "
-                     f"{e.memory.total / 1e9:>7.3g} {e.bytes_per_group(outer) / 1e9:>14.4g} {e.exposed:>9.3g}  "
-                     f"{short_quality(e):<16}  {e.reason}")
+                     f"{e.memory.total / 1e9:>7.3g} {e.headroom / 1e9:>7.3g} {e.bytes_per_group(slow) / 1e9:>14.4g} "
+                     f"{e.exposed:>9.3g}  {short_quality(e):<16}  {e.reason}")
     fit = sum(e.fits for e in ranked)
     lines.append(f"({len(ranked)} plans, {fit} fit; showing {len(shown)}{'; --top 0 for all' if len(shown) < len(ranked) else ''})")
+    lines.append(tie_note(ranked, slow))
+    return "\n".join(lines)
+
+
+def tie_note(ranked: list[Estimate], slow: str) -> str:
+    """The tie rule as the table applies it ([Note: tie rule] in cost/planner.py), with how many plans tie the best."""
+    tied = sum(1 for e in ranked if e.fits and e.step_time <= ranked[0].step_time * (1 + REL_TIE))
+    head = f"{tied} plans tie the best step time. " if tied > 1 else ""
+    return (f"({head}Ties, step times within {REL_TIE:g} (relative), rank by less quantization, then more free GB "
+            f"(memory headroom), then fewer {slow} GB (bytes on the slowest tier))")
+
+
+def explain(model: ModelSpec, cluster: Cluster, job: Job, best: Estimate) -> str:
+    """The chosen plan's step, tier by tier ([Note: terms per tier] in cost/explain.py)."""
+    if best.tp != 1:
+        return f"(--explain shows plans without tensor parallelism; {best.label} has TP collectives " \
+               f"of {best.comm_tp:.3g} s per step on {cluster.tiers[0].name}, exposed)"
+    est, rows = tier_terms(best.plan, model, cluster, job)
+    rates = ", ".join(f"{spec} {rate / 1e9:.3g}" for spec, rate in cluster.codec_rates)
+    source = f"measured per codec (GB/s of values): {rates}" if rates else \
+        f"one measured rate, {cluster.codec_rate / 1e9:.3g} GB/s" if cluster.codec_rate else \
+        "not measured: codecs priced free (give a cluster file from tiershard probe)"
+    lines = [f"where the step goes, {best.label}: {est.step_time:.4g} s = compute {est.compute:.4g} s + exposed "
+             f"{est.exposed:.4g} s; codec rates {source}",
+             f"  {'tier':<8} {'GB/rank':>9} {'link s':>9} {'latency s':>9} {'codec s':>9} {'exposed s':>9}  codec"]
+    for t in rows:
+        verdict = "" if t.saved is None else \
+            f"{'pays' if t.codec_pays else 'does not pay'}: saves {t.saved:.3g} s of link time, costs {t.codec:.3g} s"
+        lines.append(f"  {t.tier:<8} {t.bytes_per_rank / 1e9:>9.4g} {t.link:>9.3g} {t.latency:>9.3g} {t.codec:>9.3g} "
+                     f"{t.exposed:>9.3g}  {verdict}")
+    lines.append("  (each collective is booked to the tier where its bytes take longest; exposed: what the overlap "
+                 "model leaves on the critical path; a codec pays where its encode + decode time is below the link "
+                 "time it saves against the same plan without codecs)")
     return "\n".join(lines)
 
 
@@ -275,6 +324,7 @@ def as_json(model: ModelSpec, cluster: Cluster, job: Job, ranked: list[Estimate]
         "model": {"name": model.label, "params": model.params, "trainable": model.trainable,
                   "layers": model.layers, "hidden": model.hidden, "vocab": model.vocab},
         "cluster": {"name": cluster.name, "gpu_memory": cluster.gpu_memory, "peak_flops": cluster.peak_flops,
+                    "codec_rate": cluster.codec_rate, "codec_rates": dict(cluster.codec_rates),
                     "tiers": [{"name": t.name, "size": t.size, "bandwidth": t.bandwidth, "latency": t.latency}
                               for t in cluster.tiers]},
         "job": {f.name: getattr(job, f.name) for f in fields(Job)},

@@ -102,13 +102,19 @@ def worker(args: argparse.Namespace, sizes: list[int]) -> int:
         rank = dist.get_rank()
         results = [measure_tier(topo, level, sizes, args, device) for level in range(1, topo.num_levels)]
         device_rates = measure_device(topo, device)
+        device_rates["codecs"] = measure_codecs(sizes, device, topo.level_size(1))
         if rank == 0:
             memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
             Path(args.out).write_text(to_toml(topo, results, sizes, args, backend, memory, device_rates))
             print(f"tiershard probe: wrote {args.out}")
             for tier in results:
+                others = ", ".join(f"{kind.replace('_', '-')} {tier[kind + '_bandwidth'] / 1e9:.3g}"
+                                   for kind in COLLECTIVES[1:])
                 print(f"  {tier['name']:>8}: {tier['bandwidth'] / 1e9:.3g} GB/s per rank, "
-                      f"{tier['latency'] * 1e6:.3g} us per step (all-to-all {tier['all_to_all_bandwidth'] / 1e9:.3g} GB/s)")
+                      f"{tier['latency'] * 1e6:.3g} us per step (all-gather; {others} GB/s)")
+            for spec, rates in device_rates["codecs"].items():
+                print(f"  codec {spec:<14} encode {rates['encode'] / 1e9:.3g} GB/s, decode+sum "
+                      f"{rates['decode'] / 1e9:.3g} GB/s of fp32 values at {rates['points'][-1]['bytes']} B")
             print(f"  compute {device_rates['peak_flops'] / 1e9:.3g} GFLOP/s per rank (matmul), codecs "
                   f"{device_rates['codec_rate'] / 1e9:.3g} GB/s, overlap {device_rates['overlap']:.2f}")
         dist.barrier()
@@ -129,13 +135,18 @@ def measure_tier(topo, level: int, sizes: list[int], args: argparse.Namespace, d
                        "give more ranks or a different --tiers / --ranks-per-node")
     k = group.size
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    samples: dict[str, list[tuple[float, float]]] = {"all_gather": [], "all_to_all": []}
+    samples: dict[str, list[tuple[float, float]]] = {kind: [] for kind in COLLECTIVES}
     for size in sizes:
         numel = max(k, size // 4 // k * k)
         full = torch.ones(numel, device=device)
         shard = torch.ones(numel // k, device=device)
+        root = dist.get_global_rank(group.pg, 0) if hasattr(dist, "get_global_rank") else group.ranks[0]
         ops = {"all_gather": lambda: gather(full, shard, group=group.pg),
-               "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(full), full, group=group.pg)}
+               "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(full), full, group=group.pg),
+               # as the backend runs it: reduce_scatter_tensor (gloo has none, so the engine's all_to_all + sum)
+               "reduce_scatter": lambda: _reduce_scatter(full, shard, group.pg),
+               "all_reduce": lambda: dist.all_reduce(full, group=group.pg),
+               "broadcast": lambda: dist.broadcast(full, root, group=group.pg)}
         for kind, op in ops.items():
             times = []
             for i in range(args.warmup + args.iters):
@@ -150,11 +161,36 @@ def measure_tier(topo, level: int, sizes: list[int], args: argparse.Namespace, d
                     times.append(time.perf_counter() - start)
             slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            samples[kind].append(((k - 1) * numel * 4 / k, float(slowest)))
-    bandwidth, latency = fit(samples["all_gather"], k)
-    a2a_bandwidth, a2a_latency = fit(samples["all_to_all"], k)
-    return {"name": name, "size": topo.level_size(level), "members": k, "bandwidth": bandwidth, "latency": latency,
-            "all_to_all_bandwidth": a2a_bandwidth, "all_to_all_latency": a2a_latency, "samples": samples}
+            samples[kind].append((SENT[kind](numel * 4, k), float(slowest)))
+    fits = {kind: fit(points, k) for kind, points in samples.items()}
+    out = {"name": name, "size": topo.level_size(level), "members": k, "bandwidth": fits["all_gather"][0],
+           "latency": fits["all_gather"][1], "samples": samples}
+    for kind in COLLECTIVES[1:]:
+        out[f"{kind}_bandwidth"], out[f"{kind}_latency"] = fits[kind]
+    return out
+
+
+# what one rank sends of a buffer of S bytes over k members, by collective (ring algorithms; broadcast: a
+# pipelined ring forwards the buffer once)
+COLLECTIVES = ("all_gather", "all_to_all", "reduce_scatter", "all_reduce", "broadcast")
+SENT = {"all_gather": lambda S, k: (k - 1) * S / k, "all_to_all": lambda S, k: (k - 1) * S / k,
+        "reduce_scatter": lambda S, k: (k - 1) * S / k, "all_reduce": lambda S, k: 2 * (k - 1) * S / k,
+        "broadcast": lambda S, k: S}
+
+
+def _reduce_scatter(full, shard, pg) -> None:
+    """A reduce-scatter as the backend runs it for the engine: ``reduce_scatter_tensor`` where the backend has one
+    (NCCL), else an all-to-all of the chunks and a local sum (gloo)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend(pg) != "gloo":
+        dist.reduce_scatter_tensor(shard, full, group=pg)
+        return
+    k = full.numel() // shard.numel()
+    out = torch.empty_like(full)
+    dist.all_to_all_single(out, full, group=pg)
+    torch.sum(out.view(k, -1), dim=0, out=shard)
 
 
 def _slowest(seconds: float, device) -> float:
@@ -227,6 +263,48 @@ def measure_device(topo, device) -> dict:
     return {"peak_flops": 2 * n ** 3 / matmul, "codec_rate": codec, "overlap": -overlap}
 
 
+# the codecs the plans use: qwz's int8, the bare-qgz hops (QGZ_DEFAULT), qwd's default, plain int4 (qgz=int4)
+PROBE_CODECS = ("int8", "int8:128:h", "int4:128:h:sr", "int4:2048", "int4")
+
+
+def measure_codecs(sizes: list[int], device, k: int, iters: int = 3) -> dict:
+    """Per codec of ``PROBE_CODECS``, seconds to encode a rank's ``S`` bytes of fp32 values as ``k`` wire chunks
+    and to decode-and-sum them, at each of the probe's sizes, with every rank busy as in training; ``rate`` is
+    the bytes of values through encode plus decode per second at the largest size (``Cluster.codec_rates``)."""
+    import torch
+
+    from ..comm.codecs import codec_from_spec
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def timed(fn) -> float:
+        fn()
+        sync()
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        return _slowest((time.perf_counter() - start) / iters, device)
+
+    out = {}
+    for spec in PROBE_CODECS:
+        codec = codec_from_spec(spec)
+        points = []
+        for size in sizes:
+            numel = max(k, size // 4 // k * k)
+            x = torch.randn(numel, device=device)
+            wire = codec.encode_wire(x, k, seed=1)
+            encode = timed(lambda: codec.encode_wire(x, k, out=wire, seed=1))
+            decode = timed(lambda: codec.decode_wire_sum(wire, k, numel // k))
+            points.append({"bytes": numel * 4, "encode": encode, "decode": decode})
+        last = points[-1]
+        out[codec.spec] = {"encode": last["bytes"] / last["encode"], "decode": last["bytes"] / last["decode"],
+                     "rate": 2 * last["bytes"] / (last["encode"] + last["decode"]), "points": points}
+    return out
+
+
 def fit(points: list[tuple[float, float]], k: int) -> tuple[float, float]:
     """Least squares ``t = a + x / bandwidth`` over (bytes sent per rank, seconds); latency = a / (k - 1).
 
@@ -253,6 +331,9 @@ def to_toml(topo, results: list[dict], sizes: list[int], args: argparse.Namespac
         "# bandwidth: bytes/s one rank sends on the tier's links (all-gather fit); latency: seconds per step.",
         "# peak_flops: the matmul rate one rank reached; codec_rate: bytes/s through qwZ/qgZ's codecs;",
         "# overlap: fraction of compute an all-gather on the engine's communication stream hid behind.",
+        "# <kind>_bandwidth/latency: the same fit for the other collectives the plans run (reduce-scatter as the",
+        "# backend runs it); [cluster.codecs.SPEC]: bytes/s of fp32 values through each codec (rate: encode +",
+        "# decode together, what the cost model uses; encode, decode: each alone) at the largest size.",
         "[cluster]",
         'name = "probe"',
     ]
@@ -263,10 +344,16 @@ def to_toml(topo, results: list[dict], sizes: list[int], args: argparse.Namespac
         lines.append(f"gpu_memory = {memory}")
     for tier in results:
         lines += ["", "[[cluster.tiers]]", f'name = "{tier["name"]}"', f"size = {tier['size']}",
-                  f"bandwidth = {tier['bandwidth']:.6e}", f"latency = {tier['latency']:.6e}",
-                  f"all_to_all_bandwidth = {tier['all_to_all_bandwidth']:.6e}",
-                  f"all_to_all_latency = {tier['all_to_all_latency']:.6e}"]
+                  f"bandwidth = {tier['bandwidth']:.6e}", f"latency = {tier['latency']:.6e}"]
+        lines += [f"{kind}_{what} = {tier[f'{kind}_{what}']:.6e}" for kind in COLLECTIVES[1:] if f"{kind}_bandwidth" in tier
+                  for what in ("bandwidth", "latency")]
         for kind, points in tier["samples"].items():
             pairs = ", ".join(f"{x:.0f} B sent in {t:.3e} s" for x, t in points)
             lines.append(f"# {kind} over {tier['members']} members: {pairs}")
+    for spec, rates in (device_rates or {}).get("codecs", {}).items():
+        lines += ["", f'[cluster.codecs."{spec}"]', f"rate = {rates['rate']:.6e}", f"encode = {rates['encode']:.6e}",
+                  f"decode = {rates['decode']:.6e}"]
+        pairs = ", ".join(f"{p['bytes']} B: encode {p['encode']:.3e} s, decode+sum {p['decode']:.3e} s"
+                          for p in rates["points"])
+        lines.append(f"# {pairs}")
     return "\n".join(lines) + "\n"

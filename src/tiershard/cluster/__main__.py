@@ -1,6 +1,6 @@
 """``python -m tiershard.cluster allreduce ...``: the per-rank job behind ``tiershard cluster check``."""
 import sys
 
-from .emulated import _main
+from .check import main
 
-sys.exit(_main())
+sys.exit(main())

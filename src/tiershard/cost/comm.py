@@ -11,7 +11,8 @@ tiers' links run at once, so a collective takes the slowest tier's share:
     time = max over tiers (bytes per rank on the tier / tier bandwidth) + latency
     latency:  steps x (k - 1) x the largest latency of the tiers it crosses
     steps = 2 for all-reduce, else 1; all-to-all: (k - 1) pairwise steps over its tier
-    codec:    qwZ/qgZ values quantized and dequantized / the cluster's measured codec rate (when known)
+    codec:    qwZ/qgZ values quantized and dequantized / that codec's measured rate (``Cluster.codec_rates``),
+              else the cluster's one codec rate, else 0 (``Cluster.codec_seconds``)
     every:    a collective that runs once every H steps (the outer sync) counts 1/H of its bytes and time per step
 
 PaRO-CC needs no case of its own: ``traffic`` already splits a plan's multi-tier collectives into one phase per
@@ -112,7 +113,7 @@ def price(c: Collective, cluster: Cluster) -> Priced:
     bw_time = max(b / tiers[t].bandwidth for t, b in per_rank.items())
     steps = 2 if c.kind == "all_reduce" else 1
     latency = steps * (k - 1) * max(tiers[t].latency for t, _ in links)
-    codec = c.codec_bytes / cluster.codec_rate if cluster.codec_rate else 0.0
+    codec = cluster.codec_seconds(c.codec, c.codec_bytes)
     return Priced(c, tier_bytes, {t: b * c.count / c.every for t, b in per_rank.items()},
                   c.count * (bw_time + latency + codec) / c.every)
 

@@ -33,7 +33,7 @@ import itertools
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
-from ..plan import QGZ_DEFAULT, Plan, PlanError
+from ..plan import QGZ_DEFAULT, Plan, PlanError, use_planner
 from ..topology import Topology
 from .comm import Priced, price_plan
 from .memory import Memory, memory
@@ -66,6 +66,7 @@ class Estimate:
     quality: str = "exact"            # Plan.quality on the cluster: 'exact' or 'lossy: ...' with the bits per tier
     tp: int = 1                       # tensor-parallel degree inside the node ([Note: TP in the cost model])
     comm_tp: float = 0.0              # seconds of TP collectives per step, on the critical path
+    slowest: str = ""                 # the tier with the least bandwidth per rank (the outermost among equals)
 
     @property
     def label(self) -> str:
@@ -79,6 +80,16 @@ class Estimate:
     @property
     def exposed(self) -> float:
         return self.step_time - self.compute
+
+    @property
+    def headroom(self) -> float:
+        """Bytes per device left free under the usable capacity (negative when the plan does not fit)."""
+        return self.capacity - self.memory.total
+
+    @property
+    def slowest_tier(self) -> str:
+        """The slowest tier's name; an estimate made without one (``slowest=""``) takes the outermost."""
+        return self.slowest or next(reversed(self.group_sizes))
 
     @property
     def quantized(self) -> int:
@@ -102,6 +113,7 @@ class Estimate:
             "tier_bytes_total": dict(self.tier_bytes),
             "tier_bytes_per_group": {t: self.bytes_per_group(t) for t in self.group_sizes},
             "tier_seconds": dict(self.tier_seconds), "reason": self.reason,
+            "headroom_bytes": self.headroom, "slowest_tier": self.slowest_tier,
             "lossy": self.plan.lossy, "quality": self.quality,
         }
 
@@ -149,7 +161,12 @@ def evaluate(plan: Plan | str, model: ModelSpec, cluster: Cluster, job: Job, tp:
         comm_boundary=boundary, step_time=inner + _outer_exposed(plan, priced, inner),
         world=cluster.world_size, group_sizes={t.name: s for t, s in zip(cluster.tiers, sizes)},
         model_flops=job.accum * job.tokens * (4 * model.params + 2 * model.trainable), overlap=overlap,
-        quality=pl.quality)
+        quality=pl.quality, slowest=slowest_tier(cluster))
+
+
+def slowest_tier(cluster: Cluster) -> str:
+    """The tier with the least bandwidth per rank; among equals the outermost (it carries the widest groups)."""
+    return min(reversed(cluster.tiers), key=lambda t: t.bandwidth).name
 
 
 def _with_tp(e: Estimate, model: ModelSpec, cluster: Cluster, job: Job, tp: int) -> Estimate:
@@ -215,17 +232,24 @@ def candidate_plans(topology: Topology, options: bool = True, lossy: bool = True
 # [Note: tie rule] Two fitting plans tie when their predicted step times are within REL_TIE (one part per million,
 # far below what the model can resolve, far above float noise) of the fastest time of their tie group: plans are
 # sorted by exact time and each one that is not within REL_TIE of its group's fastest starts the next group. So the
-# groups depend only on the set of times, never on the candidates' order. Inside a group: less quantization (it
-# changes the numerics), less tensor parallelism, fewer bytes on the slowest (outermost) tier, less memory per device, fewer options, then
-# the plan text with its TP degree, which is unique: the ranking is a function of the set of candidates. Plans that do not fit follow,
-# smallest memory first.
+# groups depend only on the set of times, never on the candidates' order. Ties are common, not rare: wherever the
+# model predicts every collective hidden behind compute, every such plan's step is the compute alone (Llama-2 7B on
+# 64 A100s: the fastest 8 exact plans tie). Inside a group, in this order (TIE_CRITERIA, shown by `tiershard plan`):
+#   1. less quantization: it changes the numerics, which step time cannot price ([Note: quality rule]);
+#   2. more memory headroom (usable capacity minus the plan's peak, to the kilobyte): what a tie costs nothing to
+#      keep, room for a larger micro-batch or a longer sequence, and a margin for the model's memory error;
+#   3. fewer bytes on the slowest tier (least bandwidth per rank, the outermost among equals): the margin for the
+#      model's overlap error, since those bytes are the first to show when the link hides less than predicted;
+#   4. less tensor parallelism, fewer options, then the plan text with its TP degree, which is unique: the
+#      ranking is a function of the set of candidates.
+# Plans that do not fit follow, smallest memory first.
 REL_TIE = 1e-6
+TIE_CRITERIA = ("less quantization", "more memory headroom", "fewer bytes on the slowest tier")
 
 
 def _tie_key(e: Estimate) -> tuple:
-    outer = next(reversed(e.group_sizes))
     options = len(e.plan.hpz) + e.quantized + int(e.plan.cc)
-    return (e.quantized, e.tp, e.tier_bytes.get(outer, 0), float(f"{e.memory.total:.6g}"), options, e.label)
+    return (e.quantized, -round(e.headroom / 1e3), e.tier_bytes.get(e.slowest_tier, 0), e.tp, options, e.label)
 
 
 def _ranking_keys(estimates: Sequence[Estimate]) -> list[tuple]:
@@ -300,11 +324,7 @@ def why(e: Estimate, best: Estimate, outer: str, mine: tuple, theirs: tuple) -> 
     if e is best:
         return "fastest that fits"
     if mine[1] == theirs[1]:
-        for index, what in ((2, "more quantization"), (3, "more tensor parallelism"), (4, "more inter-node bytes"),
-                            (5, "more memory")):
-            if mine[index] > theirs[index]:
-                return f"ties; {what}"
-        return "ties; more options"
+        return "ties; " + _tie_loss(e, best, mine, theirs)
     parts = []
     deltas = {t: e.tier_seconds.get(t, 0.0) - best.tier_seconds.get(t, 0.0) for t in e.tier_seconds}
     tier, delta = max(deltas.items(), key=lambda kv: kv[1])
@@ -322,6 +342,23 @@ def why(e: Estimate, best: Estimate, outer: str, mine: tuple, theirs: tuple) -> 
     elif e.comm_micro > e.overlap * e.compute and e.comm_micro > best.comm_micro:
         parts.append(f"micro-step comm not hidden ({e.comm_micro:.3g} s vs {e.compute:.3g} s compute)")
     return "; ".join(parts) or "more collective latency"
+
+
+def _tie_loss(e: Estimate, best: Estimate, mine: tuple, theirs: tuple) -> str:
+    """The first criterion of the tie rule on which ``e`` loses to ``best``, with both values."""
+    gb = 1e9
+    if mine[2] > theirs[2]:
+        return "more quantization"
+    if mine[3] > theirs[3]:
+        return f"less memory headroom ({e.headroom / gb:.4g} vs {best.headroom / gb:.4g} GB free)"
+    if mine[4] > theirs[4]:
+        tier = e.slowest_tier
+        unit = "rank" if e.group_sizes[tier] == 1 else "node" if tier == next(reversed(e.group_sizes)) else "group"
+        return (f"more bytes on the slowest tier, {tier} ({e.bytes_per_group(tier) / gb:.4g} vs "
+                f"{best.bytes_per_group(tier) / gb:.4g} GB/{unit})")
+    if mine[5] > theirs[5]:
+        return "more tensor parallelism"
+    return "more options" if mine[6] > theirs[6] else "same criteria; later plan text"
 
 
 def coerce_model(model: object, wrap: object = None) -> ModelSpec:
@@ -382,6 +419,9 @@ def auto_plan(model: object, cluster: Cluster, job: Job | None = None, *,
     return best.plan
 
 
+use_planner(auto_plan)      # Plan.auto ([Note: the planner behind Plan.auto] in plan.py)
+
+
 def auto_estimate(model: object, cluster: Cluster, job: Job | None = None, *,
                   candidates: Sequence[Plan | str] | None = None, wrap: object = None,
                   allow_lossy: bool = False, outer: bool = False, tp: Iterable[int] | None = None) -> Estimate:
@@ -398,15 +438,71 @@ def auto_estimate(model: object, cluster: Cluster, job: Job | None = None, *,
         if with_tp and with_tp[0].fits:
             best = with_tp[0]
             return replace(best, reason=f"no plan fits without tensor parallelism; {best.reason}")
+        ranked = with_tp or ranked
     if not ranked or not ranked[0].fits:
-        raise no_plan_fits(spec, cluster, ranked)
+        raise no_plan_fits(spec, cluster, ranked, job)
     return ranked[0]
 
 
-def no_plan_fits(model: ModelSpec, cluster: Cluster, ranked: Sequence[Estimate]) -> NoPlanFits:
-    """The error for a model that fits under none of ``ranked``, naming the smallest plan's need."""
+def no_plan_fits(model: ModelSpec, cluster: Cluster, ranked: Sequence[Estimate], job: Job | None = None) -> NoPlanFits:
+    """The error for a model that fits under none of ``ranked``: the smallest plan's need, and only the remedies
+    that ``job`` and ``ranked`` leave open (no "turn on recompute" when it is on, no "lower the micro-batch" at 1,
+    tensor parallelism only when ``ranked`` weighed none), with the device count the smallest plan needs."""
     smallest = min(ranked, key=lambda e: e.memory.total) if ranked else None
-    need = f"; the smallest, {smallest.plan}, needs {smallest.memory.total / 1e9:.1f} GB" if smallest else ""
+    need = f"; the smallest, {smallest.label}, needs {smallest.memory.total / 1e9:.1f} GB" if smallest else ""
+    remedies = []
+    devices = _devices_to_fit(smallest, model, cluster, job) if smallest is not None and job is not None else None
+    if devices:
+        remedies.append(f"add devices ({smallest.label} fits on {devices})")
+    elif job is None:
+        remedies.append("add devices")
+    if job is None or job.micro_batch > 1:
+        remedies.append("lower the micro-batch" + (f" (now {job.micro_batch})" if job else ""))
+    remedies.append("shorten the sequence" + (f" (now {job.seq})" if job else ""))
+    if job is None or not job.recompute:
+        remedies.append("turn on recompute (recompute=True, --recompute)")
+    if ranked and all(e.tp == 1 for e in ranked) and len(tp_degrees(cluster)) > 1:
+        degrees = tp_degrees(cluster)
+        remedies.append(f"weigh tensor parallelism (tp={degrees}, --tp {','.join(map(str, degrees))})")
+    listed = ", ".join(remedies[:-1]) + f" or {remedies[-1]}" if len(remedies) > 1 else remedies[0]
+    reserve = 1 - smallest.capacity / cluster.gpu_memory if smallest else (job or Job()).memory_reserve
+    usable = f"{cluster.gpu_memory * (1 - reserve) / 1e9:.1f} GB usable ({cluster.gpu_memory / 1e9:.1f} GB less " \
+        f"the {reserve:.0%} reserve)" if reserve else f"{cluster.gpu_memory / 1e9:.1f} GB"
     return NoPlanFits(
-        f"{model.label} does not fit in {cluster.gpu_memory / 1e9:.1f} GB per device on {cluster.world_size} "
-        f"devices under any plan{need}: add devices, lower the micro-batch or sequence length, or turn on recompute")
+        f"{model.label} ({model.params / 1e9:.3g}B parameters) does not fit in {usable} per device on "
+        f"{cluster.world_size} devices under any plan{need}: {listed}")
+
+
+def _devices_to_fit(smallest: Estimate, model: ModelSpec, cluster: Cluster, job: Job) -> str | None:
+    """How many devices ``smallest``'s plan needs to fit, as a phrase: '24' (checked by evaluating it there),
+    'about 20,000' (past CHECK_DEVICES, from the fit below), or None where no count does.
+
+    Memory per device is what does not shard plus what does over the world size, m(W) = f + S / W, so two
+    evaluations give f and S; the count is rounded up to whole nodes."""
+    per_node = cluster.tiers[-2].size if len(cluster.tiers) > 1 else 1
+    world = cluster.world_size
+
+    def at(devices: int) -> Estimate | None:
+        try:
+            return evaluate(smallest.plan, model, cluster.resized(devices), job, tp=smallest.tp)
+        except (PlanError, ValueError):
+            return None
+
+    doubled = at(2 * world)
+    if doubled is None or doubled.memory.total >= smallest.memory.total:
+        return None
+    sharded = 2 * world * (smallest.memory.total - doubled.memory.total)
+    fixed = smallest.memory.total - sharded / world
+    if fixed >= smallest.capacity:
+        return None
+    need = -(-int(sharded / (smallest.capacity - fixed)) // per_node) * per_node
+    if need > CHECK_DEVICES:
+        return f"about {need:,}"
+    for devices in range(need, need + 4 * per_node, per_node):
+        e = at(devices)
+        if e is not None and e.fits:
+            return f"{devices:,}"
+    return f"about {need:,}"
+
+
+CHECK_DEVICES = 8192    # device counts above this are estimated, not evaluated (resolving a plan grows with the world)

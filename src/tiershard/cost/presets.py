@@ -129,12 +129,15 @@ def parse_tiers(text: str) -> tuple[Tier, ...]:
 
 
 # Keys of one [[cluster.tiers]] table; the all_to_all_* ones are what the probe measured, kept for reading.
-TIER_KEYS = {"name", "size", "bandwidth", "latency", "all_to_all_bandwidth", "all_to_all_latency"}
+TIER_KEYS = {"name", "size", "bandwidth", "latency", "all_to_all_bandwidth", "all_to_all_latency",
+             "reduce_scatter_bandwidth", "reduce_scatter_latency", "all_reduce_bandwidth", "all_reduce_latency",
+             "broadcast_bandwidth", "broadcast_latency"}
 
 
 def cluster_from_dict(table: Mapping[str, object], base: Cluster | None = None) -> Cluster:
     """A cluster from a ``[cluster]`` TOML table: ``preset``, ``tiers`` (list of tables), ``gpu_memory``,
-    ``peak_flops``, and what ``tiershard probe`` measures: ``codec_rate`` (bytes/s), ``overlap`` (0..1); values
+    ``peak_flops``, and what ``tiershard probe`` measures: ``codec_rate`` (bytes/s), ``codecs`` (per codec spec a
+    table with ``rate``, bytes/s, and the ``encode`` / ``decode`` rates it came from), ``overlap`` (0..1); values
     may be numbers (SI) or strings with units."""
     table = dict(table)
     if "preset" in table:
@@ -160,6 +163,13 @@ def cluster_from_dict(table: Mapping[str, object], base: Cluster | None = None) 
     memory = table.pop("gpu_memory", None)
     flops = table.pop("peak_flops", None)
     codec_rate = table.pop("codec_rate", base.codec_rate if base else None)
+    codecs = table.pop("codecs", None)
+    codec_rates = base.codec_rates if base else ()
+    if codecs is not None:
+        if not isinstance(codecs, Mapping) or not all(isinstance(v, Mapping) and "rate" in v for v in codecs.values()):
+            raise ValueError("cluster.codecs must be tables [cluster.codecs.\"SPEC\"] with rate (bytes/s of values "
+                             "encoded and decoded), as tiershard probe writes them")
+        codec_rates = tuple((str(spec), parse_bandwidth(v["rate"])) for spec, v in codecs.items())
     overlap = table.pop("overlap", base.overlap if base else None)
     name = str(table.pop("name", base.name if base and tiers is base.tiers else "custom"))
     for ignored in ("gpus", "measured", "probe"):
@@ -174,4 +184,4 @@ def cluster_from_dict(table: Mapping[str, object], base: Cluster | None = None) 
                    gpu_memory=parse_bytes(memory) if memory is not None else base.gpu_memory,
                    peak_flops=parse_flops(flops) if flops is not None else base.peak_flops,
                    codec_rate=parse_bandwidth(codec_rate) if codec_rate is not None else None,
-                   overlap=float(overlap) if overlap is not None else None)
+                   overlap=float(overlap) if overlap is not None else None, codec_rates=codec_rates)

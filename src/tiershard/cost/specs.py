@@ -272,8 +272,10 @@ class Cluster:
     """Tiers (innermost first, the last one the world), device memory and peak flops per device.
 
     Measured by ``tiershard probe`` when known: ``codec_rate``, bytes of values per second one rank quantizes
-    and dequantizes (qwZ/qgZ compute; None leaves it out); ``overlap``, the fraction of compute that the
-    engine's communication stream actually hides communication behind (None: the job's assumption).
+    and dequantizes (qwZ/qgZ compute; None leaves it out); ``codec_rates``, the same per codec, as
+    ``((spec, bytes/s), ...)`` (``BlockCodec.spec``: ``"int8:128:h"``), each measured at the plan's message sizes
+    and used for its codec before ``codec_rate``; ``overlap``, the fraction of compute that the engine's
+    communication stream actually hides communication behind (None: the job's assumption).
     """
 
     tiers: tuple[Tier, ...]
@@ -282,6 +284,7 @@ class Cluster:
     name: str = ""
     codec_rate: float | None = None
     overlap: float | None = None
+    codec_rates: tuple[tuple[str, float], ...] = ()
     topology: Topology = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -302,6 +305,20 @@ class Cluster:
             raise ValueError(f"codec_rate={self.codec_rate!r} must be a positive number of bytes/s, or None")
         if self.overlap is not None and not (isinstance(self.overlap, (int, float)) and 0 <= self.overlap <= 1):
             raise ValueError(f"overlap={self.overlap!r} must be in [0, 1], or None")
+        rates = tuple(sorted(dict(self.codec_rates).items()))
+        for spec, rate in rates:
+            if not (isinstance(spec, str) and isinstance(rate, (int, float)) and rate > 0 and math.isfinite(rate)):
+                raise ValueError(f"codec_rates entry {spec!r}: {rate!r} must be a codec spec and a positive number of "
+                                 "bytes/s, e.g. ('int8:128:h', 2.5e9)")
+        object.__setattr__(self, "codec_rates", rates)
+
+    def codec_seconds(self, spec: str, nbytes: float) -> float:
+        """Seconds one rank spends encoding and decoding ``nbytes`` bytes of values in codec ``spec``: its measured
+        rate (``codec_rates``), else the one ``codec_rate``, else 0 (codecs free, as in the papers' accounting)."""
+        if not nbytes:
+            return 0.0
+        rate = dict(self.codec_rates).get(spec) or self.codec_rate
+        return nbytes / rate if rate else 0.0
 
     @classmethod
     def two_tier(cls, *, gpus: int, gpus_per_node: int, intra_bw: float, inter_bw: float,

@@ -59,6 +59,7 @@ class Collective:
     count: int = 1
     codec_bytes: int = 0    # bytes of values this rank's codec encodes and decodes (qwZ, qgZ); 0 = none
     every: int = 1          # runs once every ``every`` optimizer steps (the outer sync's period)
+    codec: str = ""         # the codec's spec (``BlockCodec.spec``) behind ``codec_bytes``; "" = none
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def group_collectives(pl: "Placement", shape: FlatGroupShape, param_bytes: int, 
             for run in runs:
                 part = S // d(k) * sum(run) // width if run else S // d(k)
                 hops.append(Collective(op, "all_to_all", k - 1, k, slots * codec.wire_bytes(part, run or None), count,
-                                       2 * 4 * part * slots))
+                                       2 * 4 * part * slots, codec=codec.spec))
         return hops
 
     if pl.p > 0:
@@ -104,24 +105,25 @@ def group_collectives(pl: "Placement", shape: FlatGroupShape, param_bytes: int, 
         bwd = micro_steps if shape.backward else 0
         full = S * param_bytes if qwz is None else d(pl.p) * qwz.wire_bytes(S // d(pl.p))
         codec = 0 if qwz is None else S * param_bytes     # decode the whole unit (its shard's encoding is cached)
+        spec = "" if qwz is None else qwz.spec
         if pl.hpz and pl.plan.qwd:
             from ..comm.codecs import codec_from_spec
 
             h, qwd = max(pl.hpz), codec_from_spec(pl.plan.qwd)
             out.append(Collective("param_diff", "all_gather", h, pl.p, d(pl.p) // d(h) * qwd.wire_bytes(S // d(pl.p)),
-                                  1, 4 * (S // d(pl.p) + S // d(h))))
+                                  1, 4 * (S // d(pl.p) + S // d(h)), codec=qwd.spec))
             out.append(Collective("param_gather", "all_gather", 0, h, full, 1))
             cached = min(pl.hpz)
-            out.append(Collective("param_gather", "all_gather", 0, cached, full, fwd - 1, codec))
-            out.append(Collective("param_gather_backward", "all_gather", 0, cached, full, bwd, codec))
+            out.append(Collective("param_gather", "all_gather", 0, cached, full, fwd - 1, codec, codec=spec))
+            out.append(Collective("param_gather_backward", "all_gather", 0, cached, full, bwd, codec, codec=spec))
         elif pl.hpz:
             cached = min(pl.hpz)
-            out.append(Collective("param_gather", "all_gather", 0, pl.p, full, 1, codec))
-            out.append(Collective("param_gather", "all_gather", 0, cached, full, fwd - 1, codec))
-            out.append(Collective("param_gather_backward", "all_gather", 0, cached, full, bwd, codec))
+            out.append(Collective("param_gather", "all_gather", 0, pl.p, full, 1, codec, codec=spec))
+            out.append(Collective("param_gather", "all_gather", 0, cached, full, fwd - 1, codec, codec=spec))
+            out.append(Collective("param_gather_backward", "all_gather", 0, cached, full, bwd, codec, codec=spec))
         else:
-            out.append(Collective("param_gather", "all_gather", 0, pl.p, full, fwd, codec))
-            out.append(Collective("param_gather_backward", "all_gather", 0, pl.p, full, bwd, codec))
+            out.append(Collective("param_gather", "all_gather", 0, pl.p, full, fwd, codec, codec=spec))
+            out.append(Collective("param_gather_backward", "all_gather", 0, pl.p, full, bwd, codec, codec=spec))
     if not shape.trainable:
         return out
     if pl.g > 0:
@@ -147,7 +149,7 @@ def group_collectives(pl: "Placement", shape: FlatGroupShape, param_bytes: int, 
             islands = d(world) // d(top)
             out.append(Collective("outer_sync", "all_gather", top, world,
                                   islands * codec_from_spec(outer.codec).wire_bytes(n), 1, 4 * n * (islands + 1),
-                                  every=outer.every))
+                                  every=outer.every, codec=codec_from_spec(outer.codec).spec))
     if pl.plan.cc:
         quantized_gathers = {"param_gather", "param_gather_backward"} if qwz is not None else set()
         out = [hop for c in out for hop in
