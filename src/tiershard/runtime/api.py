@@ -324,8 +324,12 @@ def _target_device(model: nn.Module, device: torch.device | str | None) -> tuple
 def _common_dtype(params) -> torch.dtype:
     dtypes = Counter(p.dtype for p, _, _ in params)
     if len(dtypes) > 1:
-        raise ValueError(f"parameters have several dtypes ({', '.join(str(d) for d in dtypes)}): pass "
-                         "param_dtype= to ts.shard to choose the working precision")
+        first = {}
+        for p, _, names in params:
+            first.setdefault(p.dtype, names[0])
+        seen = ", ".join(f"{dtype} ({first[dtype]}, {count} in all)" for dtype, count in dtypes.items())
+        raise ValueError(f"parameters have several dtypes: {seen}; pass param_dtype= to ts.shard to choose the "
+                         "working precision (the masters keep float32), or cast the model to one dtype first")
     return next(iter(dtypes)) if dtypes else torch.float32
 
 

@@ -21,6 +21,14 @@
     optimizer.step()    a global post-step hook marks the working copies of every group it stepped stale; the
                         unit's next gather rebuilds them ([Note: deferred rebuild], flat.py)
 
+[Note: unused parameters] A trainable parameter with no gradient at the end of a backward (a unit skipped this
+step, a branch not taken) is reduced as a zero gradient, so every rank issues the same collectives whatever its
+own forward visited, and it gets a gradient where another rank's is not zero. Single-process training leaves
+such a ``grad`` None after ``zero_grad()``, and optimizers skip it; tiershard's zeros are what
+``zero_grad(set_to_none=False)`` would leave, which plain SGD and Adam without weight decay apply as no change
+until momentum builds, but momentum or weight decay still move. Telling globally unused parameters apart would
+cost a collective per step; the unit warns once instead.
+
 [Note: collective order] Every rank must issue the engine's collectives in the same order, so that order may
 depend only on the model and on the passes every rank runs, never on what one rank did alone: a forward under
 ``torch.no_grad()`` on rank 0 only (sample logging) is legal when the weights are replicated (p = N), and it may
@@ -64,6 +72,7 @@ inside a unit's forward and backward they are its working tensors (plain tensors
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -139,6 +148,7 @@ class Unit:
         self.fired = [0] * len(groups)
         self.reduced = [False] * len(groups)
         self.awaits_post_backward = False     # its inputs carry _PostBackward: that releases it
+        self.warned_unused = False
         for group in groups:
             group.gauge = engine.gauge
         self._pre_backward = _outside_graphs(self._pre_backward)
@@ -252,8 +262,22 @@ class Unit:
     def end_backward(self) -> None:
         for index, group in enumerate(self.groups):
             if group.trainable and not self.reduced[index]:
+                self._warn_unused(group)
                 self.reduce(index)
         self.reset()
+
+    def _warn_unused(self, group: FlatGroup) -> None:
+        """Once per unit: trainable parameters with no gradient in a backward are reduced as zeros ([Note: unused
+        parameters]), which an optimizer with momentum or weight decay does not skip as it skips ``grad=None``."""
+        missing = [layout.names[0] for layout, w in zip(group.layouts, group.working) if w.grad is None]
+        if self.warned_unused or not missing:
+            return
+        self.warned_unused = True
+        warnings.warn(f"unit {self.path}: {len(missing)} trainable parameter(s) got no gradient in this backward on "
+                      f"this rank (e.g. {missing[0]}); tiershard reduces them as zero gradients so every rank runs "
+                      "the same collectives, as zero_grad(set_to_none=False) would leave them, so an optimizer "
+                      "with momentum or weight decay still moves them; freeze what never trains "
+                      "(requires_grad_(False)). Said once per unit.", stacklevel=2)
 
     def reset(self) -> None:
         """Back to the state between steps: masters shown, weights released, per-backward counters cleared."""

@@ -858,5 +858,8 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
 
 def _chunk_cat(pieces: list[torch.Tensor], chunks: int, out: torch.Tensor) -> None:
     """Interleave flat per-parameter pieces (each a multiple of ``chunks``, one dtype) into a (chunks x U) matrix,
-    converting to ``out``'s dtype on the way: one kernel."""
-    torch._chunk_cat(pieces, dim=0, num_chunks=chunks, out=out.view(chunks, -1))
+    converting to ``out``'s dtype on the way: one kernel. Zero-size pieces (a zero-size parameter) are left out,
+    as torch's kernel refuses them."""
+    pieces = [piece for piece in pieces if piece.numel()]
+    if pieces:
+        torch._chunk_cat(pieces, dim=0, num_chunks=chunks, out=out.view(chunks, -1))
