@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 import zlib
 from pathlib import Path
 
@@ -122,6 +123,34 @@ def safety_run(rank, world, root):
                         and back["rng"]["python"] == rng["python"]
                         and all(np.array_equal(a, b) for a, b in zip(back["rng"]["numpy"], rng["numpy"])))
 
+    # a replacing save killed between its two renames: step_1 aside as .step_1.old-T, the new one still at
+    # .step_1.tmp-T, `latest` naming step_1. The previous checkpoint still loads, and the next save puts it back
+    from tiershard.checkpoint import latest
+
+    rep = root / "rep"
+    ts.save(rep / "step_1", model, optim, extra={"step": 1})
+    if rank == 0:
+        shutil.copytree(rep / "step_1", rep / ".step_1.tmp-0badc0de")
+        (rep / "step_1").rename(rep / ".step_1.old-0badc0de")
+    dist.barrier()
+    found = latest(rep)
+    other, other_opt = model_of(seed=3)
+    back = ts.load(rep, other, other_opt)
+    dist.barrier()
+    replaced = {"latest": found.name, "loaded": same(saved, snapshot(other)) and back["step"] == 1}
+    ts.save(rep / "step_1", other, other_opt, extra={"step": 2})
+    replaced["after"] = (sorted(p.name for p in rep.iterdir()), ts.load(rep, other, other_opt)["step"])
+    out["replaced"] = replaced
+    # `latest` holds one folder name: a path out of the root is refused, not followed
+    ts.save(root / "outside" / "step_1", model, optim)
+    if rank == 0:
+        (root / "inside").mkdir()
+        (root / "inside" / "latest").write_text("../outside/step_1\n")
+        (root / "absolute").mkdir()
+        (root / "absolute" / "latest").write_text(str(root / "outside" / "step_1") + "\n")
+    dist.barrier()
+    out["escape"] = [_error(lambda: ts.load(root / where, other, other_opt)) for where in ("inside", "absolute")]
+
     # planted payloads: in the extras, in .metadata, in a non-tensor DCP entry (AdamW's lr)
     for name in ("extra", "metadata", "bytes"):
         ts.save(root / name, model, optim, extra={"step": 1})
@@ -184,6 +213,19 @@ def test_a_planted_payload_is_refused_and_never_runs(results, name, file, says):
         assert not ran, f"{name}: the planted payload ran on load"
         assert says in message and file in message, (name, message)
         assert unchanged, f"{name}: a refused load changed the model"
+
+
+def test_a_replace_killed_between_its_renames_keeps_the_previous_checkpoint(results):
+    for r in results:
+        replaced = r["replaced"]
+        assert replaced["latest"] == ".step_1.old-0badc0de" and replaced["loaded"], replaced
+        assert replaced["after"] == (["latest", "step_1"], 2), replaced     # put back, then replaced; no leftovers
+
+
+def test_latest_naming_a_path_out_of_the_root_is_refused(results):
+    for r in results:
+        for message in r["escape"]:
+            assert "is not a folder name inside" in message and "latest" in message, message
 
 
 def test_convert_refuses_planted_metadata(results):

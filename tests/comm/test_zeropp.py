@@ -304,7 +304,66 @@ def _qwd_checks(rank, world):
     with torch.no_grad():
         model(x)
     after_write = max(after_write, error())
-    return errors, moves, losses, ledger, bands, cross_ranks, after_write
+    writes = _writes_in_steps(rank, build, step, data)
+    return errors, moves, losses, ledger, bands, cross_ranks, after_write, writes
+
+
+class Lookahead(torch.optim.AdamW):
+    """Lookahead over AdamW: every second step the fast weights move halfway to the slow ones, copied in place
+    inside ``step()``."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self.slow = {p: p.detach().clone() for group in self.param_groups for p in group["params"]}
+        self.count = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        self.count += 1
+        if self.count % 2 == 0:
+            for p, slow in self.slow.items():
+                slow.add_(p - slow, alpha=0.5)
+                p.copy_(slow)
+        return loss
+
+
+def _writes_in_steps(rank, build, step, data):
+    """Writes in the iteration before a step, on fresh models beside the exact plan: ``p.mul_`` between backward
+    and ``step()``, and Lookahead's copy inside its ``step()``. Each next gather must be exact (a 4-bit difference
+    of a large change is off by its block's scale), and the next loss that of the exact plan."""
+    rows = slice(rank * 4, (rank + 1) * 4)
+
+    def band_error(model):
+        group = [g for g in model._tiershard.groups() if g.trainable][0]
+        cross = group.group(group.pl.hpz[-1], group.pl.p)
+        n = group.reference.numel() // cross.size
+        band = group.reference.view(cross.size, n)[cross.slot_of(rank)].float()
+        return (band - group._pack_masters(torch.float32)).abs().max().item()
+
+    out = {}
+    pair = [build("GGG+hpz+qwd"), build("GGG")]
+    for tokens in data[:2]:
+        for model, opt in pair:
+            step(model, opt, tokens)
+    for model, opt in pair:
+        loss_fn(model, data[2][rows], 1).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(-0.5)                   # between backward and step: a write, not a step
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        pair[0][0](data[0][rows, :-1])
+    out["before_step"] = (band_error(pair[0][0]), step(*pair[1], data[3]), step(*pair[0], data[3]))
+    model, _ = build("GGG+hpz+qwd")
+    ref, _ = build("GGG")
+    opt, ref_opt = Lookahead(model.parameters(), lr=1e-2), Lookahead(ref.parameters(), lr=1e-2)
+    lookahead = [(step(ref, ref_opt, tokens), step(model, opt, tokens)) for tokens in data[:4]]
+    with torch.no_grad():
+        model(data[0][rows, :-1])
+    out["lookahead"] = (band_error(model), lookahead)
+    return out
 
 
 def test_qwd_reference_tracks_the_masters_and_is_rebuilt_after_writes():
@@ -312,7 +371,14 @@ def test_qwd_reference_tracks_the_masters_and_is_rebuilt_after_writes():
     4-bit rounding of (the step's move + the previous error), so it never accumulates; the members of a cross-node
     group hold the same bits; a .data write makes the next gather exact; bytes = the traffic formula."""
     results = run_ranks(_qwd_checks, 4)
-    for rank, (errors, moves, losses, ledger, bands, cross, after_write) in enumerate(results):
+    for rank, (errors, moves, losses, ledger, bands, cross, after_write, writes) in enumerate(results):
+        error, exact_loss, lossy_loss = writes["before_step"]
+        assert error == 0.0, f"a write between backward and step was sent as a difference: off by {error}"
+        assert abs(lossy_loss - exact_loss) <= 0.02 * exact_loss, writes
+        error, lookahead = writes["lookahead"]
+        assert error == 0.0, f"Lookahead's copy inside step() was sent as a difference: off by {error}"
+        for exact, lossy in lookahead:
+            assert abs(lossy - exact) <= 0.02 * exact, lookahead
         assert errors[0] == 0.0, errors
         prev = errors[0]
         for e, move in zip(errors[1:], moves[1:]):

@@ -13,7 +13,10 @@ Because masters are DTensors, DCP reshards on load: a checkpoint loads under any
 fsyncs the files it is assigned; rank 0 writes the manifest, fsyncs it, renames the folder into place, fsyncs
 the parent, and only then points ``latest`` at it (written to a temporary file and renamed). A save killed at
 any point leaves the previous checkpoint and ``latest`` as they were; leftovers of a killed save are removed
-by the next one.
+by the next one. Replacing a checkpoint of the same name takes two renames (the old folder aside to
+``.NAME.old-TOKEN``, the new one into place); a kill between them leaves ``latest`` naming a folder that is not
+there, so ``latest()`` then names the set-aside previous checkpoint, and the next save renames it back before it
+writes.
 
 [Note: refused loads change nothing] Before reading a byte into the model, every rank checks the manifest
 (each file's presence and size, and the CRC-32 of a share of the files), and all ranks agree; DCP then checks
@@ -33,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import glob
 import io
 import json
 import os
@@ -324,6 +328,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     tmp = path.parent / f".{path.name}.tmp-{token}"
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
+        _recover_replaced(path.parent)
         for stale in path.parent.glob(".*.tmp-*"):     # left by saves that were killed (one job per folder)
             if stale.is_dir():
                 shutil.rmtree(stale, ignore_errors=True)
@@ -503,12 +508,46 @@ def _versions(state: dict) -> dict[str, tuple[int, int]]:
 
 
 def latest(root: str | os.PathLike) -> Path | None:
-    """The checkpoint ``root/latest`` names, or None when there is none yet."""
+    """The checkpoint ``root/latest`` names, or None when there is none yet. ``latest`` holds one folder name
+    inside ``root``; anything else (a path, ``..``) is refused, so a load never reads outside ``root``."""
     pointer = Path(root) / LATEST
     if not pointer.is_file():
         return None
     name = pointer.read_text().strip()
-    return Path(root) / name if name else None
+    if not name:
+        return None
+    if name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise CheckpointError(f"{pointer} names {name!r}, which is not a folder name inside {root}: `latest` holds "
+                              "the name of one checkpoint beside it (ts.save writes it); write that name into it, "
+                              "or load the checkpoint folder itself")
+    target = Path(root) / name
+    if not target.exists():
+        aside = _set_aside(target)
+        if aside is not None:              # a replacing save was killed between its renames ([Note: atomic save])
+            return aside
+    return target
+
+
+def _set_aside(path: Path) -> Path | None:
+    """The complete previous checkpoint a replacing save renamed aside, if one is there."""
+    for old in sorted(path.parent.glob(f".{glob.escape(path.name)}.old-*")):
+        if (old / MANIFEST).is_file():
+            return old
+    return None
+
+
+def _recover_replaced(parent: Path) -> None:
+    """(Rank 0, before a save writes.) Put back a checkpoint that a killed replacing save left aside, and remove
+    the set-aside copies of replacements that completed."""
+    for old in parent.glob(".*.old-*"):
+        name = old.name[1:old.name.rindex(".old-")]
+        if not old.is_dir() or not name:
+            continue
+        if not (parent / name).exists() and (old / MANIFEST).is_file():
+            old.rename(parent / name)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+    _fsync(parent)
 
 
 def resolve(path: str | os.PathLike) -> Path:

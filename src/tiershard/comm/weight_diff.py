@@ -7,7 +7,9 @@ band as ``reference + decode(difference)`` in fp32, rounded once to the band's d
 on all members and the next difference is taken against what the receivers really hold: one step's rounding error
 is sent again with the next step's difference, never accumulated (SDP4Bit's qWD, with the hpz band as the
 replicated reference). A 4-bit difference is exact only up to its block's scale: a write that is not a small step
-(``ts.load``, ``.data``, a re-initialisation) drops the reference, and the next gather sends values exactly.
+(``ts.load``, ``.data``, a re-initialisation, an in-place write between backward and the step, a ``copy_`` inside
+an optimizer's ``step()``: ``WatchedMaster`` and ``note_writes_before_step`` in runtime/flat.py) drops the
+reference, and the next gather sends values exactly.
 """
 from __future__ import annotations
 

@@ -412,8 +412,19 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
             engine.sync_stepped(stepped)
 
 
+def _before_optimizer_step(optimizer, args, kwargs) -> None:
+    wait_for_copies()                          # [Note: background copies]
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for ref in list(_ENGINES):
+        engine = ref()
+        if engine is not None:
+            for group in engine.groups():
+                if any(id(m) in stepped for m in group.masters):
+                    group.note_writes_before_step()
+
+
 def _install_step_hook() -> None:
     global _STEP_HOOK, _PRE_STEP_HOOK
     if _STEP_HOOK is None:
         _STEP_HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
-        _PRE_STEP_HOOK = register_optimizer_step_pre_hook(wait_for_copies)   # [Note: background copies]
+        _PRE_STEP_HOOK = register_optimizer_step_pre_hook(_before_optimizer_step)

@@ -134,6 +134,26 @@ class TierMaster(DTensor):
                            "`with torch.no_grad(): param.copy_(value)`")
 
 
+class WatchedMaster(TierMaster):
+    """A master under qWD, which sends each gather as a 4-bit difference against the last one: an in-place write
+    that replaces its values (``copy_``, ``fill_``, ``zero_``, an ``nn.init`` fill) marks it written wherever it
+    happens, inside an optimizer's ``step()`` too (Lookahead and SWA copy weights there), so the next gather sends
+    values exactly instead of a rounded difference of a large change ([Note: weight differences])."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in _OVERWRITES and args:
+            for target in args[0] if isinstance(args[0], (list, tuple)) else (args[0],):
+                if isinstance(target, WatchedMaster):
+                    target.__dict__["_tiershard_touched"] = True
+        return DTensor.__torch_dispatch__(func, types, args, kwargs)
+
+
+# in-place ops that set a tensor's values rather than move them by a step
+_OVERWRITES = {"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "exponential_", "cauchy_",
+               "log_normal_", "geometric_", "random_", "index_put_", "masked_fill_", "index_fill_", "set_",
+               "_foreach_copy_", "_foreach_zero_"}
+
 _SCALES = {"mul_": 1, "_foreach_mul_": 1, "div_": -1, "_foreach_div_": -1}
 _ADDS = {"add_", "sub_", "addcmul_", "addcdiv_", "_foreach_add_", "_foreach_sub_", "_foreach_addcmul_",
          "_foreach_addcdiv_"}
@@ -244,6 +264,7 @@ class FlatGroup:
                                   TensorMeta(layout.shape, _contiguous_stride(layout.shape), self.master_dtype))
                       if layout.tp is None else layout.tp.master_spec(topo, self.level, self.master_dtype)
                       for layout in self.layouts]
+        self.watch_writes = bool(placement.plan.qwd)     # masters are WatchedMasters under qWD
         self.masters = [self._make_master(i, None if values is None else values[i]) for i in range(len(layouts))]
         if trainable or placement.p > 0:
             locals_ = [torch.empty(layout.shape, dtype=param_dtype, device=device) for layout in self.layouts]
@@ -321,7 +342,7 @@ class FlatGroup:
         else:
             local = full.detach().narrow(0, band.start, band.length).to(self.device, self.master_dtype).clone()
         master = nn.Parameter(self._dtensor(index, local), requires_grad=self.trainable)
-        master.__class__ = TierMaster
+        master.__class__ = WatchedMaster if self.watch_writes else TierMaster
         return master
 
     def master_local(self, index: int) -> torch.Tensor:
@@ -438,6 +459,13 @@ class FlatGroup:
         return band + (self.S if not rank0_only or self.rank == group.ranks[0] else 0)
 
     @torch.no_grad()
+    def note_writes_before_step(self) -> None:
+        """(Before an optimizer step.) A master written since the last sync (user code between backward and step)
+        is a write, not a step: the step's sync must not take the change for a small one under qWD."""
+        if self.qwd is not None and self._master_marks() != self._synced_marks:
+            for m in self.masters:
+                m.__dict__["_tiershard_touched"] = True
+
     def sync_params(self, step: bool = False) -> None:
         """The masters changed: drop every derived copy. The level-p copy is rebuilt by the next gather, on the
         stream ([Note: deferred rebuild]). ``step``: an optimizer step made the change, a small one, so qwd's
