@@ -496,13 +496,28 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], st
 
 def _full_state_problem(model: nn.Module, layouts: list, state: Mapping[str, torch.Tensor],
                         strict: bool) -> tuple[str, str] | None:
-    """("keys" or "shape", message) for a full state dict that does not fit the model, or None."""
-    missing, unexpected = _key_mismatch(model, layouts, state)
+    """("keys" or "shape", message) for a full state dict that does not fit the model, or None.
+
+    [Note: tied weights in a full state dict] A parameter reachable under several names (an LM head tied to the
+    embedding, as ``from_pretrained`` ties them) is one tensor: any one of its names loads it, as
+    ``from_pretrained`` accepts a GPT-2 checkpoint without ``lm_head.weight``. Two of its names with different
+    values cannot both be loaded: refused."""
+    missing, unexpected = _key_mismatch(model, layouts, state, tied=True)
     if strict and (missing or unexpected):
+        ties = [f"{' and '.join(layout.names)} are one tied parameter (any one of its names loads it)"
+                for _, _, layout in layouts if len(layout.names) > 1 and layout.names[0] in missing]
         return "keys", (f"state dict does not match the model: missing {missing[:5]}, unexpected "
-                        f"{unexpected[:5]}{' ...' if len(missing) > 5 or len(unexpected) > 5 else ''}")
+                        f"{unexpected[:5]}{' ...' if len(missing) > 5 or len(unexpected) > 5 else ''}"
+                        + "".join(f"; {tie}" for tie in ties[:3]))
     for name, theirs, ours in _shape_mismatch(model, layouts, state):
         return "shape", f"{name}: shape {theirs} in the state dict, {ours} in the model; nothing was loaded"
+    for _, _, layout in layouts:
+        given = [n for n in layout.names if n in state]
+        if len(given) > 1 and not all(torch.equal(state[given[0]], state[n]) for n in given[1:]):
+            return "shape", (f"{' and '.join(given)} are one tied parameter in the model (the same Parameter under "
+                             "each name) but the state dict holds different values for them: keep one name, or "
+                             "untie the model's weights (tie_word_embeddings=False) before ts.shard; nothing was "
+                             "loaded")
     return None
 
 
@@ -522,11 +537,18 @@ def _broadcast_full(model: nn.Module, engine: Engine, layouts: list, state: Mapp
     _write_full(model, engine, layouts, set(box[0]), value)
 
 
-def _key_mismatch(model: nn.Module, layouts: list, state: Mapping[str, torch.Tensor]) -> tuple[list, list]:
-    """(missing, unexpected) keys of a full state dict: every name of a parameter, the persistent buffers."""
+def _key_mismatch(model: nn.Module, layouts: list, state: Mapping[str, torch.Tensor],
+                  tied: bool = False) -> tuple[list, list]:
+    """(missing, unexpected) keys of a full state dict: every name of a parameter, the persistent buffers. With
+    ``tied``, a name of a tied parameter is not missing when another of its names is given ([Note: tied weights
+    in a full state dict]); torch's ``load_state_dict`` counts every name."""
     expected = {name for _, _, layout in layouts for name in layout.names}
     expected |= {name for name, _ in _persistent_buffers(model)}
-    return sorted(expected - state.keys()), sorted(state.keys() - expected)
+    missing = expected - state.keys()
+    if tied:
+        missing -= {name for _, _, layout in layouts if not state.keys().isdisjoint(layout.names)
+                    for name in layout.names}
+    return sorted(missing), sorted(state.keys() - expected)
 
 
 def _shape_mismatch(model: nn.Module, layouts: list, state: Mapping[str, torch.Tensor]):
