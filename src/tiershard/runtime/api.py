@@ -20,6 +20,7 @@ from ..comm import collectives as C
 from ..comm.failure import unit_scope
 from ..plan import Plan
 from ..topology import Topology, TopologyError
+from .arguments import as_dtype, as_plan, as_topology, refuse_keywords, refuse_wrapped
 from .engine import Engine, Unit
 from .flat import FlatGroup, wait_for_copies
 from .guards import guard_wrappers
@@ -44,10 +45,10 @@ class _NestedShardNotice(logging.Filter):
 logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_NestedShardNotice())
 
 
-def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPolicy = None,
-          param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-          qwz_eval: bool = False, init: InitFn | None = None,
-          device: torch.device | str | None = None, prefetch: int = 1) -> nn.Module:
+def shard(model: nn.Module, plan: Plan | str | None = None, topology: Topology | Sequence[int] | None = None,
+          wrap: WrapPolicy = None, param_dtype: torch.dtype | str | None = None,
+          reduce_dtype: torch.dtype | str | None = None, qwz_eval: bool = False, init: InitFn | None = None,
+          device: torch.device | str | None = None, prefetch: int = 1, **unknown: object) -> nn.Module:
     """Shard ``model`` in place by ``plan`` over ``topology`` and return it.
 
     ``wrap``: module classes, class names or a predicate; each matching module is a unit (gathered and released
@@ -59,7 +60,9 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
     model's device decides where every buffer lives. ``qwz_eval``: with qwZ or qWD, forwards under ``torch.no_grad()``
     (evaluation, ``generate()``) gather exact weights unless this is True. ``prefetch``: units whose gathers are
     issued ahead (forward order, reversed for backward) while the current one computes; reductions run behind
-    backward on the communication stream; 0 runs every collective in place (the synchronous schedule).
+    backward on the communication stream; 0 runs every collective in place (the synchronous schedule). Dtypes
+    may be named (``"bf16"``, ``"float32"``) and ``topology`` given by its sizes (``(2, 4)``); FSDP's keywords
+    (``mesh=``, ``mp_policy=``, ``reshard_after_forward=``, ...) raise a TypeError naming the equivalent.
 
     A model built under ``torch.device("meta")`` is materialised shard by shard on ``device`` (default: the
     current CUDA device under NCCL, else the CPU): each module's ``reset_parameters()`` and then ``init(module)``
@@ -69,13 +72,17 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
     parameter that nothing initialises must be loaded before the first forward ([Note: parameters waiting for a
     load]).
     """
+    if unknown:
+        refuse_keywords(unknown, [name for name in inspect.signature(shard).parameters if name not in
+                                  ("model", "unknown")])
+    plan, topology = as_plan(plan), as_topology(topology)
+    param_dtype, reduce_dtype = as_dtype(param_dtype, "param_dtype"), as_dtype(reduce_dtype, "reduce_dtype")
+    refuse_wrapped(model)
     if not dist.is_initialized():
         raise TopologyError("torch.distributed is not initialised: call torch.distributed.init_process_group() "
                             "(or launch with torchrun) before ts.shard")
     if getattr(model, "_tiershard", None) is not None:
         raise ValueError("this model is already sharded; ts.shard it once")
-    if isinstance(plan, str):
-        plan = Plan.parse(plan)
     placement = plan.resolve(topology)
     tie_empty_weights(model)
     specs = find_units(model, wrap)
