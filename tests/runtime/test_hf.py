@@ -168,6 +168,11 @@ def _pretrained_shard_by_shard(rank, world, topo, out, folder):
     with torch.no_grad():
         out[("tied", "logits")] = (model.eval()(input_ids=x).logits - ref(input_ids=x).logits).abs().max().item()
     errors = {}
+    try:                                   # torch's strict load_state_dict counts every name, and says so
+        model.load_state_dict(state)
+        errors["load_state_dict"] = "loaded"
+    except RuntimeError as err:
+        errors["load_state_dict"] = str(err)
     for case, bad in (("both_missing", {k: v for k, v in state.items() if k != "transformer.wte.weight"}),
                       ("conflict", {**state, "lm_head.weight": state["transformer.wte.weight"] + 1})):
         try:
@@ -429,6 +434,8 @@ def test_pretrained_tied_checkpoint_loads_shard_by_shard(results):
         assert "missing ['lm_head.weight', 'transformer.wte.weight']" in errors["both_missing"], errors
         assert "transformer.wte.weight and lm_head.weight are one tied parameter" in errors["both_missing"], errors
         assert "one tied parameter" in errors["conflict"] and "different values" in errors["conflict"], errors
+        assert 'Missing key(s) in state_dict: "lm_head.weight"' in errors["load_state_dict"], errors
+        assert "lm_head.weight: tied to a parameter" in errors["load_state_dict"], errors
         assert errors["untouched"] <= 1e-6, "a refused state dict must leave the model as it was"
 
 

@@ -187,6 +187,11 @@ def _guard_load_state_dict(model: nn.Module) -> None:
             errors.insert(0, f"Unexpected key(s) in state_dict: {quoted(unexpected)}. ")
         if strict and missing:
             errors.insert(0, f"Missing key(s) in state_dict: {quoted(missing)}. ")
+            tied = set(missing) - set(_key_mismatch(model, layouts, state_dict, tied=True)[0])
+            if tied:       # [Note: tied weights in a full state dict]
+                errors.append(f"{', '.join(sorted(tied))}: tied to a parameter the state dict holds under another "
+                              "name; load it with strict=False, or with ts.load_full_state_dict(model, state), "
+                              "which takes any one name of a tied parameter")
         if errors:
             raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__} (nothing was loaded):"
                                "\n\t" + "\n\t".join(errors))
