@@ -155,6 +155,7 @@ def _pretrained_shard_by_shard(rank, world, topo, out, folder):
 
     if rank == 0:
         build("gpt2", seed=5).save_pretrained(f"{folder}/gpt2-tied")
+        build("gpt2", seed=5).save_pretrained(f"{folder}/gpt2-files", max_shard_size="40KB")
     dist.barrier()
     config = transformers.GPT2Config.from_pretrained(f"{folder}/gpt2-tied")
     state = safetensors.torch.load_file(f"{folder}/gpt2-tied/model.safetensors")
@@ -167,6 +168,17 @@ def _pretrained_shard_by_shard(rank, world, topo, out, folder):
     x = tokens(13, world)[:2]
     with torch.no_grad():
         out[("tied", "logits")] = (model.eval()(input_ids=x).logits - ref(input_ids=x).logits).abs().max().item()
+    import glob
+
+    files = sorted(glob.glob(f"{folder}/gpt2-files/model-*.safetensors"))
+    with torch.device("meta"):
+        split = transformers.GPT2LMHeadModel(config)
+    split = ts.shard(split, "IIG", topo, wrap=set(split._no_split_modules), init=split._init_weights)
+    for file in files:                     # a checkpoint in several files: one at a time, strict=False
+        ts.load_full_state_dict(split, safetensors.torch.load_file(file), strict=False)
+    with torch.no_grad():
+        out[("tied", "files")] = (len(files), (split.eval()(input_ids=x).logits
+                                               - ref(input_ids=x).logits).abs().max().item())
     errors = {}
     try:                                   # torch's strict load_state_dict counts every name, and says so
         model.load_state_dict(state)
@@ -430,6 +442,7 @@ def test_pretrained_tied_checkpoint_loads_shard_by_shard(results):
     for res in results:
         assert not res[("tied", "file_has_head")]       # save_pretrained leaves out the tied head
         assert res[("tied", "logits")] <= 1e-6, res[("tied", "logits")]
+        assert res[("tied", "files")][0] > 1 and res[("tied", "files")][1] <= 1e-6, res[("tied", "files")]
         errors = res[("tied", "errors")]
         assert "missing ['lm_head.weight', 'transformer.wte.weight']" in errors["both_missing"], errors
         assert "transformer.wte.weight and lm_head.weight are one tied parameter" in errors["both_missing"], errors
