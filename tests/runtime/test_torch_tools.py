@@ -343,6 +343,11 @@ def _setup_cases(rank, world, topo):
         out["fsdp2"] = "no error"
     except ValueError as err:
         out["fsdp2"] = str(err)
+    try:                                      # a submodule of it: no FSDPModule, but its DTensor parameters
+        ts.shard(fsdp2.blocks[0].fc, "GGG", topo)
+        out["fsdp2_part"] = "no error"
+    except ValueError as err:
+        out["fsdp2_part"] = str(err)
     return out
 
 
@@ -421,3 +426,4 @@ def test_clear_errors_and_setup(results):
         assert s["buffer"] == 1.0, s["buffer"]
         assert s["named"] == ("torch.bfloat16", True, "torch.float32"), s["named"]
         assert "FSDP2 model" in s["fsdp2"] and "pass the unwrapped model (built without fully_shard)" in s["fsdp2"]
+        assert "if FSDP2's fully_shard made it, pass the model built without fully_shard" in s["fsdp2_part"], s
