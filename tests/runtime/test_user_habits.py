@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -294,7 +295,10 @@ def test_foreign_keywords_name_the_equivalent(keyword, value, fix):
         ts.shard(nn.Linear(2, 2), "zero3", (2, 4), **{keyword: value})
     assert fix in str(caught.value), str(caught.value)
     if keyword in ("mesh", "mp_policy", "reshard_after_forward"):
-        assert "README's 'Plans' section" in str(caught.value)
+        assert "README's 'Plans' section has the table of FSDP2 settings" in str(caught.value)
+        readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+        plans = readme[readme.index("\n## Plans\n"):]
+        assert "| what you ran | the same schedule in tiershard |" in plans[:plans.index("\n## ", 1)]
 
 
 def test_mp_policy_names_its_own_dtypes_and_bad_spellings_say_what_to_pass():
