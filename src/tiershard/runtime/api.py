@@ -525,7 +525,8 @@ def _full_state_problem(model: nn.Module, layouts: list, state: Mapping[str, tor
         return "shape", f"{name}: shape {theirs} in the state dict, {ours} in the model; nothing was loaded"
     for _, _, layout in layouts:
         given = [n for n in layout.names if n in state]
-        if len(given) > 1 and not all(torch.equal(state[given[0]], state[n]) for n in given[1:]):
+        first = state[given[0]] if given else None
+        if len(given) > 1 and not all(torch.equal(first, state[n].to(first.device, first.dtype)) for n in given[1:]):
             return "shape", (f"{' and '.join(given)} are one tied parameter in the model (the same Parameter under "
                              "each name) but the state dict holds different values for them: keep one name, or "
                              "untie the model's weights (tie_word_embeddings=False) before ts.shard; nothing was "

@@ -4,7 +4,7 @@ wrapped, FSDP's keywords) are refused with tiershard's equivalent named."""
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+from typing import Sequence
 
 import torch
 import torch.nn as nn
@@ -19,7 +19,7 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
 _PLANS_TABLE = "README's 'Plans' section has the table of FSDP2 settings and their tiershard plans"
 
 # keyword of FSDP2's fully_shard (or of FSDP1's wrapper) -> what ts.shard takes instead
-FOREIGN_KEYWORDS = {
+FSDP2_KEYWORDS = {
     "mesh": "use topology= (ts.Topology((ranks_per_node, world_size)), or ts.Topology.from_env() under torchrun)",
     "mp_policy": "use param_dtype= and reduce_dtype=",
     "reshard_after_forward": ("use the plan: True is 'zero3' (GGG), an int (ranks per node) 'GGG+hpz', and False "
@@ -36,13 +36,13 @@ FSDP1_KEYWORDS = {
 }
 
 
-def refuse_keywords(given: dict, accepted: Iterable[str]) -> None:
+def refuse_keywords(given: dict, accepted: Sequence[str]) -> None:
     """A TypeError for keywords ``ts.shard`` does not take: FSDP's named with their equivalent, others with the
     closest accepted name."""
     for key, value in given.items():
-        origin = "FSDP2's fully_shard" if key in FOREIGN_KEYWORDS else "FullyShardedDataParallel's" if key in FSDP1_KEYWORDS else None
-        if origin is not None:
-            use = FOREIGN_KEYWORDS.get(key) or FSDP1_KEYWORDS[key]
+        if key in FSDP2_KEYWORDS or key in FSDP1_KEYWORDS:
+            origin = "FSDP2's fully_shard" if key in FSDP2_KEYWORDS else "FullyShardedDataParallel's"
+            use = FSDP2_KEYWORDS.get(key) or FSDP1_KEYWORDS[key]
             if key in ("mp_policy", "mixed_precision") and hasattr(value, "param_dtype"):
                 use = f"use param_dtype={value.param_dtype}, reduce_dtype={getattr(value, 'reduce_dtype', None)}"
             raise TypeError(f"ts.shard has no {key}= ({origin} keyword): {use}; {_PLANS_TABLE}")
