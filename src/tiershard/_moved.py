@@ -1,9 +1,11 @@
-"""Import paths from before the package had one folder per part, kept working: ``tiershard.local`` is
-``tiershard.cluster.local``, and so on (docs/layout.md lists them).
+"""Import paths of modules that moved, kept working until a named release: ``tiershard.local`` is
+``tiershard.cluster.local``, and so on (docs/changelog.md lists them).
 
-An old path imports the module at its new path and binds the same module object under the old name, so
-``tiershard.models.GPT is tiershard.train.models.GPT`` and patches through either name reach the same code. A
-``DeprecationWarning`` names the new path.
+[Note: moved names] One policy for every module that moves: its old path gets an entry in ``MOVED`` and a row in
+docs/changelog.md, and keeps importing until the release ``REMOVED_IN`` names. An old path imports the module
+at its new path and binds the same module object under the old name, so ``tiershard.models.GPT is
+tiershard.train.models.GPT`` and patches through either name reach the same code. A ``DeprecationWarning`` names
+the new path and the release that removes the old one. tests/test_layout.py checks each entry and the changelog.
 """
 from __future__ import annotations
 
@@ -29,7 +31,16 @@ MOVED = {
     "tiershard.peers.fsdp2": "tiershard.bench.peers.fsdp2",
     "tiershard.peers.deepspeed": "tiershard.bench.peers.deepspeed",
     "tiershard.measure": "tiershard.bench.measure",
+    "tiershard.comm.codec_kernels": "tiershard.comm.codecs.native",
+    "tiershard.comm.codec_triton": "tiershard.comm.codecs.triton_kernels",
+    "tiershard.cost.clusters": "tiershard.cost.presets",
 }
+REMOVED_IN = "0.3.0"    # the release that drops every old path above
+
+
+def message(old: str) -> str:
+    """The warning an old path gives."""
+    return f"{old} moved to {MOVED[old]}: import it from there ({old} is removed in tiershard {REMOVED_IN})"
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -42,9 +53,8 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self._specs: dict[str, importlib.machinery.ModuleSpec] = {}
 
     def create_module(self, spec):
-        new = MOVED[spec.name]
-        warnings.warn(f"{spec.name} moved to {new}: import it from there", DeprecationWarning, stacklevel=2)
-        module = importlib.import_module(new)
+        warnings.warn(message(spec.name), DeprecationWarning, stacklevel=2)
+        module = importlib.import_module(MOVED[spec.name])
         self._specs[spec.name] = module.__spec__
         return module
 

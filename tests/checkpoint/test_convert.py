@@ -194,7 +194,7 @@ def test_user_errors_are_one_line(ckpts, tmp_path, capsys):
 # ---- memory ----------------------------------------------------------------------------------------------
 MEASURE = r"""
 import json, sys
-from tiershard import convert
+from tiershard.checkpoint import convert
 ckpt, out, shard = sys.argv[1:4]
 reader = convert._Reader(ckpt)                      # imports, metadata and one DCP load before the baseline
 reader.read(min(reader.entries, key=lambda e: e.nbytes()))

@@ -7,7 +7,8 @@ built on the meta device (from its state dict, and from the seed for torch-style
 ``peft`` under ``ING`` and ``IIG``: optimizer state only for the adapters, memory by the formula, the saved
 adapter reloads into an unsharded model with the same outputs; a Llama under its own TP plan (TP 2 inside each
 node, ``zero3`` and ``IIG`` across the nodes) with AdamW groups and clipping against one process, and its
-``save_pretrained`` folder. One launch of the ranks runs every case.
+``save_pretrained`` folder; a tied GPT-2 checkpoint (no ``lm_head.weight``) loaded into a meta-built model by
+``ts.load_full_state_dict``. One launch of the ranks runs every case.
 """
 from __future__ import annotations
 
@@ -141,6 +142,59 @@ def _save_pretrained(rank, world, topo, out, folder):
     loaded = transformers.GPT2LMHeadModel.from_pretrained(f"{folder}/gpt2")
     with torch.no_grad():
         out[("save_pretrained",)] = (loaded(input_ids=x).logits - logits).abs().max().item()
+
+
+def _pretrained_shard_by_shard(rank, world, topo, out, folder):
+    """README's route: a meta-built GPT-2 sharded, then its ``save_pretrained`` safetensors loaded with
+    ``ts.load_full_state_dict``. The file has no ``lm_head.weight`` (tied to ``transformer.wte.weight``)."""
+    import safetensors.torch
+    import torch.distributed as dist
+    import transformers
+
+    import tiershard as ts
+
+    if rank == 0:
+        build("gpt2", seed=5).save_pretrained(f"{folder}/gpt2-tied")
+        build("gpt2", seed=5).save_pretrained(f"{folder}/gpt2-files", max_shard_size="40KB")
+    dist.barrier()
+    config = transformers.GPT2Config.from_pretrained(f"{folder}/gpt2-tied")
+    state = safetensors.torch.load_file(f"{folder}/gpt2-tied/model.safetensors")
+    out[("tied", "file_has_head")] = "lm_head.weight" in state
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(config)
+    model = ts.shard(model, "IIG", topo, wrap=set(model._no_split_modules), init=model._init_weights)
+    ts.load_full_state_dict(model, state)
+    ref = transformers.GPT2LMHeadModel.from_pretrained(f"{folder}/gpt2-tied")
+    x = tokens(13, world)[:2]
+    with torch.no_grad():
+        out[("tied", "logits")] = (model.eval()(input_ids=x).logits - ref(input_ids=x).logits).abs().max().item()
+    import glob
+
+    files = sorted(glob.glob(f"{folder}/gpt2-files/model-*.safetensors"))
+    with torch.device("meta"):
+        split = transformers.GPT2LMHeadModel(config)
+    split = ts.shard(split, "IIG", topo, wrap=set(split._no_split_modules), init=split._init_weights)
+    for file in files:                     # a checkpoint in several files: one at a time, strict=False
+        ts.load_full_state_dict(split, safetensors.torch.load_file(file), strict=False)
+    with torch.no_grad():
+        out[("tied", "files")] = (len(files), (split.eval()(input_ids=x).logits
+                                               - ref(input_ids=x).logits).abs().max().item())
+    errors = {}
+    try:                                   # torch's strict load_state_dict counts every name, and says so
+        model.load_state_dict(state)
+        errors["load_state_dict"] = "loaded"
+    except RuntimeError as err:
+        errors["load_state_dict"] = str(err)
+    for case, bad in (("both_missing", {k: v for k, v in state.items() if k != "transformer.wte.weight"}),
+                      ("conflict", {**state, "lm_head.weight": state["transformer.wte.weight"] + 1})):
+        try:
+            ts.load_full_state_dict(model, bad)
+            errors[case] = "loaded"
+        except (KeyError, ValueError) as err:
+            errors[case] = str(err)
+    with torch.no_grad():
+        errors["untouched"] = (model(input_ids=x).logits - ref(input_ids=x).logits).abs().max().item()
+    out[("tied", "errors")] = errors
 
 
 def _meta(rank, world, topo, out):
@@ -332,6 +386,7 @@ def run_all(rank, world, folder):
     _checkpointing(rank, world, topo, out)
     _generate(rank, world, topo, out)
     _save_pretrained(rank, world, topo, out, folder)
+    _pretrained_shard_by_shard(rank, world, topo, out, folder)
     _meta(rank, world, topo, out)
     _lora(rank, world, topo, out, folder)
     _tensor_parallel(rank, world, out, folder)
@@ -381,6 +436,20 @@ def test_save_pretrained_without_state_dict_names_the_recipe(results, tmp_path_f
     for res in results:
         assert "ts.full_state_dict(model, rank0_only=True)" in res[("save_pretrained_plain",)], res
     assert not any(tmp_path_factory.getbasetemp().rglob("gpt2-plain"))   # refused before anything is written
+
+
+def test_pretrained_tied_checkpoint_loads_shard_by_shard(results):
+    for res in results:
+        assert not res[("tied", "file_has_head")]       # save_pretrained leaves out the tied head
+        assert res[("tied", "logits")] <= 1e-6, res[("tied", "logits")]
+        assert res[("tied", "files")][0] > 1 and res[("tied", "files")][1] <= 1e-6, res[("tied", "files")]
+        errors = res[("tied", "errors")]
+        assert "missing ['lm_head.weight', 'transformer.wte.weight']" in errors["both_missing"], errors
+        assert "transformer.wte.weight and lm_head.weight are one tied parameter" in errors["both_missing"], errors
+        assert "one tied parameter" in errors["conflict"] and "different values" in errors["conflict"], errors
+        assert 'Missing key(s) in state_dict: "lm_head.weight"' in errors["load_state_dict"], errors
+        assert "lm_head.weight: tied to a parameter" in errors["load_state_dict"], errors
+        assert errors["untouched"] <= 1e-6, "a refused state dict must leave the model as it was"
 
 
 def test_meta_device_init(results):

@@ -4,8 +4,9 @@ What users do without thinking about sharding: AdamW with parameter groups chose
 foreach kernels, ``torch.nn.utils.clip_grad_norm_`` over ``model.parameters()``, ``torch.amp.GradScaler`` with
 an overflow that only one rank sees, ``optimizer.zero_grad()`` between micro-steps, an exception in the middle
 of a backward, units returning dataclasses, reading weights between steps. And the errors for what cannot
-work: a wrap policy that matches nothing, ranks that built different models, ``requires_grad_`` after sharding.
-All of it in one launch of 4 ranks (2 nodes of 2).
+work: a wrap policy that matches nothing, ranks that built different models, ``requires_grad_`` after sharding,
+a model FSDP2's ``fully_shard`` already sharded; dtypes by name and a topology by its sizes. All of it in one
+launch of 4 ranks (2 nodes of 2).
 """
 from __future__ import annotations
 
@@ -327,6 +328,26 @@ def _setup_cases(rank, world, topo):
     logits = model(batches(1, 1, 1, world)[0][0][:2, :-1])
     out["dtypes"] = (str(logits.dtype), str(next(model.parameters()).dtype))
     out["buffer"] = model.scale.item()
+    # the obvious spellings: dtypes by name, the topology by its sizes
+    named = ts.shard(TinyGPT(), "GGG", (2, 4), wrap={Block}, param_dtype="bf16", reduce_dtype="float32")
+    engine = named._tiershard
+    out["named"] = (str(named(x).dtype), engine.topology == topo, str(engine.reduce_dtype))
+    # a model FSDP2 already sharded: refused before any collective, naming what to pass
+    from torch.distributed.fsdp import fully_shard
+
+    fsdp2 = TinyGPT()
+    for block in fsdp2.blocks:
+        fully_shard(block)
+    try:
+        ts.shard(fully_shard(fsdp2), "GGG", topo, wrap={Block})
+        out["fsdp2"] = "no error"
+    except ValueError as err:
+        out["fsdp2"] = str(err)
+    try:                                      # a submodule of it: no FSDPModule, but its DTensor parameters
+        ts.shard(fsdp2.blocks[0].fc, "GGG", topo)
+        out["fsdp2_part"] = "no error"
+    except ValueError as err:
+        out["fsdp2_part"] = str(err)
     return out
 
 
@@ -403,3 +424,6 @@ def test_clear_errors_and_setup(results):
         assert all(err <= 1e-6 for err in s["eval"].values()), s["eval"]
         assert s["dtypes"] == ("torch.bfloat16", "torch.float32"), s["dtypes"]
         assert s["buffer"] == 1.0, s["buffer"]
+        assert s["named"] == ("torch.bfloat16", True, "torch.float32"), s["named"]
+        assert "FSDP2 model" in s["fsdp2"] and "pass the unwrapped model (built without fully_shard)" in s["fsdp2"]
+        assert "if FSDP2's fully_shard made it, pass the model built without fully_shard" in s["fsdp2_part"], s

@@ -15,6 +15,8 @@ All the multi-rank checks in one launch of 4 ranks (2 nodes of 2).
 from __future__ import annotations
 
 import copy
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -279,3 +281,42 @@ def test_plan_auto_counts_units_as_shard_cuts_them_by_default():
         assert cost.evaluate(plan, default, cluster, Job()).memory.total == \
             cost.evaluate(plan, explicit, cluster, Job()).memory.total, plan
     assert ts.Plan.auto(model, cluster) == cost.auto_plan(explicit, cluster)
+
+
+@pytest.mark.parametrize("keyword, value, fix", [
+    ("mesh", None, "use topology="), ("mp_policy", None, "use param_dtype= and reduce_dtype="),
+    ("reshard_after_forward", True, "True is 'zero3'"), ("auto_wrap_policy", None, "use wrap="),
+    ("param_dtyp", "bf16", "did you mean param_dtype=?"), ("foo", 1, "it takes plan=, topology=, wrap=")])
+def test_foreign_keywords_name_the_equivalent(keyword, value, fix):
+    """FSDP's keywords (and typos) raise a TypeError naming what ts.shard takes, before any process group."""
+    import tiershard as ts
+
+    with pytest.raises(TypeError) as caught:
+        ts.shard(nn.Linear(2, 2), "zero3", (2, 4), **{keyword: value})
+    assert fix in str(caught.value), str(caught.value)
+    if keyword in ("mesh", "mp_policy", "reshard_after_forward"):
+        assert "README's 'Plans' section has the table of FSDP2 settings" in str(caught.value)
+        readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+        plans = readme[readme.index("\n## Plans\n"):]
+        assert "| what you ran | the same schedule in tiershard |" in plans[:plans.index("\n## ", 1)]
+
+
+def test_mp_policy_names_its_own_dtypes_and_bad_spellings_say_what_to_pass():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import tiershard as ts
+    from tiershard.runtime.arguments import as_dtype, as_topology
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"use param_dtype=torch.bfloat16, reduce_dtype=torch.float32"):
+        ts.shard(nn.Linear(2, 2), mp_policy=policy)
+    assert [as_dtype(n, "param_dtype") for n in ("bf16", "BFloat16", "fp16", "float32", "torch.float16")] == [
+        torch.bfloat16, torch.bfloat16, torch.float16, torch.float32, torch.float16]
+    assert as_topology([2, 4]) == ts.Topology((2, 4)) and as_topology((4,)) == ts.Topology((4,))
+    for kwargs, error, fragment in ((dict(param_dtype="bf17"), ValueError, "'bf16', 'bfloat16'"),
+                                    (dict(reduce_dtype=16), TypeError, "a torch dtype or its name"),
+                                    (dict(topology="2,4"), TypeError, "e.g. (2, 4)"),
+                                    (dict(topology=None), TypeError, "needs a topology"),
+                                    (dict(plan=None), TypeError, "needs a plan")):
+        with pytest.raises(error, match=re.escape(fragment)):
+            ts.shard(nn.Linear(2, 2), **{"plan": "zero3", "topology": (2, 4), **kwargs})

@@ -10,6 +10,7 @@ import torch.nn as nn
 from .. import Plan, Topology, shard
 from ..cost import Job, auto_estimate
 from ..cost.presets import this_machine
+from ..runtime.arguments import as_topology
 from ..runtime.guards import refuse_tensor_parallel
 
 log = logging.getLogger("tiershard")
@@ -28,7 +29,7 @@ def job_for(model: nn.Module, micro_batch: int = 1, accum: int = 1, recompute: b
                grad_bytes=4, recompute=recompute)
 
 
-def shard_for(model: nn.Module, plan: Plan | str | None, topology: Topology | None, wrap: object,
+def shard_for(model: nn.Module, plan: Plan | str | None, topology: Topology | tuple | None, wrap: object,
               device: torch.device | None, job: Job | None = None) -> nn.Module:
     """``model`` sharded by ``plan`` (None or ``"auto"``: the planner's fastest exact plan that fits) over
     ``topology`` (None: ``Topology.from_env()``) on ``device``; a model ``ts.shard`` already sharded as it is."""
@@ -39,7 +40,7 @@ def shard_for(model: nn.Module, plan: Plan | str | None, topology: Topology | No
                              "drop them, or pass the unsharded model")
         refuse_tensor_parallel(model, "this route")
         return model
-    topology = topology or Topology.from_env()
+    topology = Topology.from_env() if topology is None else as_topology(topology)
     meta = any(p.is_meta for p in model.parameters())
     if not meta and device is not None and {p.device for p in model.parameters()} != {torch.device(device)}:
         model.to(device)                  # where the framework would have moved it, before the shards are cut

@@ -20,6 +20,7 @@ from ..comm import collectives as C
 from ..comm.failure import unit_scope
 from ..plan import Plan
 from ..topology import Topology, TopologyError
+from .arguments import as_dtype, as_plan, as_topology, refuse_keywords, refuse_wrapped
 from .engine import Engine, Unit
 from .flat import FlatGroup, wait_for_copies
 from .guards import guard_wrappers
@@ -44,10 +45,10 @@ class _NestedShardNotice(logging.Filter):
 logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_NestedShardNotice())
 
 
-def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPolicy = None,
-          param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-          qwz_eval: bool = False, init: InitFn | None = None,
-          device: torch.device | str | None = None, prefetch: int = 1) -> nn.Module:
+def shard(model: nn.Module, plan: Plan | str | None = None, topology: Topology | Sequence[int] | None = None,
+          wrap: WrapPolicy = None, param_dtype: torch.dtype | str | None = None,
+          reduce_dtype: torch.dtype | str | None = None, qwz_eval: bool = False, init: InitFn | None = None,
+          device: torch.device | str | None = None, prefetch: int = 1, **unknown: object) -> nn.Module:
     """Shard ``model`` in place by ``plan`` over ``topology`` and return it.
 
     ``wrap``: module classes, class names or a predicate; each matching module is a unit (gathered and released
@@ -59,7 +60,9 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
     model's device decides where every buffer lives. ``qwz_eval``: with qwZ or qWD, forwards under ``torch.no_grad()``
     (evaluation, ``generate()``) gather exact weights unless this is True. ``prefetch``: units whose gathers are
     issued ahead (forward order, reversed for backward) while the current one computes; reductions run behind
-    backward on the communication stream; 0 runs every collective in place (the synchronous schedule).
+    backward on the communication stream; 0 runs every collective in place (the synchronous schedule). Dtypes
+    may be named (``"bf16"``, ``"float32"``) and ``topology`` given by its sizes (``(2, 4)``); FSDP's keywords
+    (``mesh=``, ``mp_policy=``, ``reshard_after_forward=``, ...) raise a TypeError naming the equivalent.
 
     A model built under ``torch.device("meta")`` is materialised shard by shard on ``device`` (default: the
     current CUDA device under NCCL, else the CPU): each module's ``reset_parameters()`` and then ``init(module)``
@@ -69,13 +72,17 @@ def shard(model: nn.Module, plan: Plan | str, topology: Topology, wrap: WrapPoli
     parameter that nothing initialises must be loaded before the first forward ([Note: parameters waiting for a
     load]).
     """
+    if unknown:
+        refuse_keywords(unknown, [name for name in inspect.signature(shard).parameters if name not in
+                                  ("model", "unknown")])
+    plan, topology = as_plan(plan), as_topology(topology)
+    param_dtype, reduce_dtype = as_dtype(param_dtype, "param_dtype"), as_dtype(reduce_dtype, "reduce_dtype")
+    refuse_wrapped(model)
     if not dist.is_initialized():
         raise TopologyError("torch.distributed is not initialised: call torch.distributed.init_process_group() "
                             "(or launch with torchrun) before ts.shard")
     if getattr(model, "_tiershard", None) is not None:
         raise ValueError("this model is already sharded; ts.shard it once")
-    if isinstance(plan, str):
-        plan = Plan.parse(plan)
     placement = plan.resolve(topology)
     tie_empty_weights(model)
     specs = find_units(model, wrap)
@@ -180,6 +187,11 @@ def _guard_load_state_dict(model: nn.Module) -> None:
             errors.insert(0, f"Unexpected key(s) in state_dict: {quoted(unexpected)}. ")
         if strict and missing:
             errors.insert(0, f"Missing key(s) in state_dict: {quoted(missing)}. ")
+            tied = set(missing) - set(_key_mismatch(model, layouts, state_dict, tied=True)[0])
+            if tied:       # [Note: tied weights in a full state dict]
+                errors.append(f"{', '.join(sorted(tied))}: tied to a parameter the state dict holds under another "
+                              "name; load it with strict=False, or with ts.load_full_state_dict(model, state), "
+                              "which takes any one name of a tied parameter")
         if errors:
             raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__} (nothing was loaded):"
                                "\n\t" + "\n\t".join(errors))
@@ -500,13 +512,29 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], st
 
 def _full_state_problem(model: nn.Module, layouts: list, state: Mapping[str, torch.Tensor],
                         strict: bool) -> tuple[str, str] | None:
-    """("keys" or "shape", message) for a full state dict that does not fit the model, or None."""
-    missing, unexpected = _key_mismatch(model, layouts, state)
+    """("keys" or "shape", message) for a full state dict that does not fit the model, or None.
+
+    [Note: tied weights in a full state dict] A parameter reachable under several names (an LM head tied to the
+    embedding, as ``from_pretrained`` ties them) is one tensor: any one of its names loads it, as
+    ``from_pretrained`` accepts a GPT-2 checkpoint without ``lm_head.weight``. Two of its names with different
+    values cannot both be loaded: refused."""
+    missing, unexpected = _key_mismatch(model, layouts, state, tied=True)
     if strict and (missing or unexpected):
+        ties = [f"{' and '.join(layout.names)} are one tied parameter (any one of its names loads it)"
+                for _, _, layout in layouts if len(layout.names) > 1 and layout.names[0] in missing]
         return "keys", (f"state dict does not match the model: missing {missing[:5]}, unexpected "
-                        f"{unexpected[:5]}{' ...' if len(missing) > 5 or len(unexpected) > 5 else ''}")
+                        f"{unexpected[:5]}{' ...' if len(missing) > 5 or len(unexpected) > 5 else ''}"
+                        + "".join(f"; {tie}" for tie in ties[:3]))
     for name, theirs, ours in _shape_mismatch(model, layouts, state):
         return "shape", f"{name}: shape {theirs} in the state dict, {ours} in the model; nothing was loaded"
+    for _, _, layout in layouts:
+        given = [n for n in layout.names if n in state]
+        first = state[given[0]] if given else None
+        if len(given) > 1 and not all(torch.equal(first, state[n].to(first.device, first.dtype)) for n in given[1:]):
+            return "shape", (f"{' and '.join(given)} are one tied parameter in the model (the same Parameter under "
+                             "each name) but the state dict holds different values for them: keep one name, or "
+                             "untie the model's weights (tie_word_embeddings=False) before ts.shard; nothing was "
+                             "loaded")
     return None
 
 
@@ -526,11 +554,18 @@ def _broadcast_full(model: nn.Module, engine: Engine, layouts: list, state: Mapp
     _write_full(model, engine, layouts, set(box[0]), value)
 
 
-def _key_mismatch(model: nn.Module, layouts: list, state: Mapping[str, torch.Tensor]) -> tuple[list, list]:
-    """(missing, unexpected) keys of a full state dict: every name of a parameter, the persistent buffers."""
+def _key_mismatch(model: nn.Module, layouts: list, state: Mapping[str, torch.Tensor],
+                  tied: bool = False) -> tuple[list, list]:
+    """(missing, unexpected) keys of a full state dict: every name of a parameter, the persistent buffers. With
+    ``tied``, a name of a tied parameter is not missing when another of its names is given ([Note: tied weights
+    in a full state dict]); torch's ``load_state_dict`` counts every name."""
     expected = {name for _, _, layout in layouts for name in layout.names}
     expected |= {name for name, _ in _persistent_buffers(model)}
-    return sorted(expected - state.keys()), sorted(state.keys() - expected)
+    missing = expected - state.keys()
+    if tied:
+        missing -= {name for _, _, layout in layouts if not state.keys().isdisjoint(layout.names)
+                    for name in layout.names}
+    return sorted(missing), sorted(state.keys() - expected)
 
 
 def _shape_mismatch(model: nn.Module, layouts: list, state: Mapping[str, torch.Tensor]):

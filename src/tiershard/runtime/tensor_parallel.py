@@ -45,7 +45,8 @@ class TPSpec:
         if topology.tp == 1:
             raise ValueError(f"parameter {name} is a DTensor over a mesh of {mesh.size()} ranks (tensor parallelism), "
                              f"but {topology} has none: declare it, e.g. ts.Topology(sizes, tp={mesh.size()}), where "
-                             "the tiers count TP groups (docs/parallelism.md)")
+                             "the tiers count TP groups (docs/parallelism.md); if FSDP2's fully_shard made it, pass "
+                             "the model built without fully_shard instead")
         if mesh.ndim != 1 or len(placements) != 1:
             raise ValueError(f"parameter {name} is a DTensor over a {mesh.ndim}-D mesh {placements}: ts.shard takes "
                              "parameters tensor-parallel over one mesh dim (parallelize_module(model, tp_mesh, plan) "
