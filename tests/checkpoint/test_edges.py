@@ -10,6 +10,8 @@ One launch of 4 gloo ranks (2 emulated nodes of 2, tiny GPT):
   model of both;
 - ``ts.load(..., strict=False)`` returns the missing and unexpected keys (1 layer into 2, 2 into 1), and the extra
   as before;
+- README's example of ``w.norm()`` on a sharded weight runs as written: each rank's part, and the norm through
+  ``full_tensor()``;
 - ``dcp.save({"optim": opt.state_dict()})`` of a sharded optimizer warns, naming ``get_state_dict``; loading it back
   the usual way into a fresh optimizer restarts Adam (the next loss is measured against ``ts.load``'s), and
   ``ts.load`` of such a folder refuses it by name; ``ts.save``/``ts.load`` and ``get_state_dict`` + ``dcp.save``
@@ -172,6 +174,13 @@ def edges_run(rank, world, root):
                     "correct": correct}
     again, again_opt = tiered(seed=9)
     out["habit_ts_load"] = _error(lambda: ts.load(root / "habit", again, again_opt))
+
+    # ---- README's example of a sharded weight's norm, run as written --------------------------------------------
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    code = readme.split("**A reduction of a sharded weight is this rank's part**")[1].split("```python")[1]
+    scope = {}
+    exec(code.split("```")[0].split('if __name__ == "__main__":')[0], scope)
+    out["norms"] = scope["norms"](rank, world)
     dist.barrier()
     return out
 
@@ -233,3 +242,11 @@ def test_an_optimizers_own_state_dict_through_dcp_warns(results):
         message = r["habit_ts_load"]
         assert "state_dict()" in message and "get_state_dict" in message, message
         assert r["torch.save"] == (True, True), r["torch.save"]
+
+
+def test_readme_norm_example_shows_the_partial_and_the_full_norm(results):
+    norms = [r["norms"] for r in results[1]]
+    full = norms[0][1]
+    assert all(abs(n[1] - full) < 1e-6 and abs(n[2] - full) < 1e-5 for n in norms), norms
+    assert all(n[0] < full - 1e-3 for n in norms), norms                  # each rank's part, not the norm
+    assert abs(sum(n[0] ** 2 for n in norms) - full ** 2) < 1e-4, norms    # the parts' squares add up
