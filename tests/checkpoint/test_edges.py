@@ -12,10 +12,11 @@ One launch of 4 gloo ranks (2 emulated nodes of 2, tiny GPT):
   as before;
 - README's example of ``w.norm()`` on a sharded weight runs as written: each rank's part, and the norm through
   ``full_tensor()``;
-- ``dcp.save({"optim": opt.state_dict()})`` of a sharded optimizer warns, naming ``get_state_dict``; loading it back
-  the usual way into a fresh optimizer restarts Adam (the next loss is measured against ``ts.load``'s), and
-  ``ts.load`` of such a folder refuses it by name; ``ts.save``/``ts.load`` and ``get_state_dict`` + ``dcp.save``
-  + ``set_state_dict`` give no warning.
+- ``dcp.save({"optim": opt.state_dict()})`` of a sharded optimizer warns, naming ``get_state_dict``; loading it
+  back the usual way into a fresh optimizer restarts Adam (the loss after a step is measured against
+  ``ts.load``'s), and that optimizer's first step warns too; ``ts.load`` of such a folder refuses it by name;
+  ``ts.save``/``ts.load``, ``get_state_dict`` + ``dcp.save`` + ``set_state_dict`` and the steps after them, a fresh
+  AdamW and an SGD without momentum loaded with its empty state give no warning.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def edges_run(rank, world, root):
     import tiershard as ts
     from tiershard import checkpoint
     from tiershard.checkpoint import convert
-    from tiershard.runtime.optim_state import HABIT
+    from tiershard.runtime.optim_state import HABIT, RESTARTED
 
     root = Path(root)
     out = {}
@@ -73,7 +74,7 @@ def edges_run(rank, world, root):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             fn()
-        return [str(w.message) for w in caught if str(w.message) == HABIT]
+        return [str(w.message) for w in caught if str(w.message) in (HABIT, RESTARTED)]
 
     def same(a, b):
         return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
@@ -155,11 +156,14 @@ def edges_run(rank, world, root):
     fresh.load_state_dict(state["model"])
     fresh_opt.load_state_dict(state["optim"])
     habit_state = len(fresh_opt.state)
-    habit_loss = after_one_step(fresh, fresh_opt)
+    losses = []
+    resumed = habit_warnings(lambda: losses.append(after_one_step(fresh, fresh_opt)))
+    habit_loss = losses[0]
 
     right, right_opt = tiered(seed=9)
     correct["ts.load"] = habit_warnings(lambda: ts.load(root / "right", right, right_opt))
-    ts_loss = after_one_step(right, right_opt)
+    correct["ts.load then steps"] = habit_warnings(lambda: losses.append(after_one_step(right, right_opt)))
+    ts_loss = losses[1]
     standard, standard_opt = tiered(seed=9)
 
     def standard_load():
@@ -169,9 +173,18 @@ def edges_run(rank, world, root):
         set_state_dict(standard, standard_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     correct["set_state_dict"] = habit_warnings(standard_load)
-    standard_loss = after_one_step(standard, standard_opt)
+    correct["set_state_dict then steps"] = habit_warnings(lambda: losses.append(after_one_step(standard,
+                                                                                              standard_opt)))
+    standard_loss = losses[2]
+    sgd, _ = tiered(seed=9)                          # SGD without momentum keeps no state: loading none is right
+    sgd_opt = torch.optim.SGD(sgd.parameters(), lr=0.1)
+    sgd_opt.load_state_dict(torch.optim.SGD(sgd.parameters(), lr=0.1).state_dict())
+    correct["SGD, no momentum"] = habit_warnings(lambda: after_one_step(sgd, sgd_opt))
+    fine, _ = tiered(seed=9)                         # a fresh optimizer, param groups as users write them
+    fine_opt = torch.optim.AdamW([{"weight_decay": 0.1, "params": list(fine.parameters())}], lr=1e-2)
+    correct["a fresh AdamW"] = habit_warnings(lambda: after_one_step(fine, fine_opt))
     out["habit"] = {"state": habit_state, "losses": (reference, habit_loss, ts_loss, standard_loss),
-                    "correct": correct}
+                    "correct": correct, "resumed": resumed}
     again, again_opt = tiered(seed=9)
     out["habit_ts_load"] = _error(lambda: ts.load(root / "habit", again, again_opt))
 
@@ -231,8 +244,11 @@ def test_strict_false_reports_missing_and_unexpected_keys(results):
 
 
 def test_an_optimizers_own_state_dict_through_dcp_warns(results):
+    from tiershard.runtime.optim_state import HABIT, RESTARTED
+
     for r in results[1]:
-        assert r["habit_save"], "dcp.save of opt.state_dict() gave no warning"
+        assert r["habit_save"] == [HABIT], r["habit_save"]
+        assert r["habit"]["resumed"] == [RESTARTED], r["habit"]["resumed"]
         habit = r["habit"]
         assert all(not w for w in habit["correct"].values()), habit["correct"]
         assert habit["state"] == 0, "the habit's fresh optimizer got states"   # what the warning is about

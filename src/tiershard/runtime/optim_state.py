@@ -10,6 +10,12 @@ optimizer's states before loading. So once an optimizer over a sharded model's p
 ``state_dict()`` returns a ``dict`` that DCP treats as ``Stateful``: when DCP asks it for its state (a value at
 the top of ``dcp.save``'s or ``dcp.load``'s state dict) and its states are keyed by position, it warns, naming
 the route that works. ``get_state_dict`` re-keys the states by name into a plain dict, so it never warns.
+
+The resume side is seen at the optimizer's first step: ``load_state_dict`` rebuilds each parameter group from
+the saved one, whose ``"params"`` comes last (``state_dict()`` packs it last), where a constructed group has it
+first. An optimizer whose groups were so loaded, that held no state before its first step and holds some after
+it (Adam's moments made afresh; SGD without momentum keeps none and is left alone), warns once, naming the
+same routes. ``ts.load`` and ``set_state_dict`` create the states before they load, so they never warn.
 """
 from __future__ import annotations
 
@@ -19,8 +25,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["OptimizerStateDict", "watch"]
+__all__ = ["OptimizerStateDict", "watch", "HABIT", "RESTARTED"]
 
+RESTARTED = ("this optimizer was loaded with load_state_dict but held no per-parameter state, so its first step "
+             "started its states afresh (Adam's moments and step from zero): a state_dict() of a fresh optimizer, "
+             "filled by dcp.load, gets no states. Load with ts.load, or torch's get_state_dict(model, opt) / "
+             "set_state_dict (torch.distributed.checkpoint.state_dict), which create the states before loading")
 HABIT = ("DCP was given a sharded optimizer's own state_dict() (states keyed by position, this rank's shards): it "
          "restores only into an optimizer that already holds states, so a fresh optimizer (the usual resume) keeps "
          "none and Adam starts again. Save and load with ts.save/ts.load, or torch's get_state_dict(model, opt) / "
@@ -58,3 +68,19 @@ def watch(optimizer: torch.optim.Optimizer, masters: set[int]) -> None:
     optimizer.__dict__["_tiershard_watched"] = True
     if any(id(p) in masters for group in optimizer.param_groups for p in group["params"]):
         optimizer.register_state_dict_post_hook(_hand_out)
+        if not optimizer.state and all(_loaded(group) for group in optimizer.param_groups):
+            handle = None
+
+            def after_first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+                handle.remove()
+                if optimizer.state:
+                    warnings.warn(RESTARTED, UserWarning, stacklevel=4)
+
+            handle = optimizer.register_step_post_hook(after_first_step)
+
+
+def _loaded(group: dict) -> bool:
+    """Whether a parameter group was rebuilt by ``load_state_dict`` (its ``"params"`` last, as ``state_dict()``
+    packs it) rather than constructed (``"params"`` first)."""
+    keys = [k for k in group if k != "param_names"]
+    return len(keys) > 1 and keys[-1] == "params"
