@@ -112,6 +112,7 @@ def edges_run(rank, world, root):
         out["convert"] = {name: same(dict(convert.read_model_tensors(root / name)), ref_model)
                           for name in ("fsdp2", "fsdp2_model")}
         out["verify_plain"] = _error(lambda: checkpoint.verify(str(root / "fsdp2")))
+        torch.save(ref_model, root / "fsdp2-full.pt")
     dcp.save({"app": get_model_state_dict(model)}, checkpoint_id=str(root / "other_keys"))
     out["other_keys"] = _error(lambda: ts.load(root / "other_keys", model))
 
@@ -228,6 +229,15 @@ def test_fsdp2_dcp_folder_loads_into_a_sharded_model(results):
         message = r["other_keys"]
         assert "plain DCP folder" in message and "get_state_dict" in message and "'app'" in message, message
     assert results[1][0]["convert"] == {"fsdp2": True, "fsdp2_model": True}
+
+
+def test_tiershard_convert_reads_an_fsdp2_folder(results, tmp_path):
+    from tiershard.cli import main
+
+    root, _ = results
+    assert main(["convert", str(root / "fsdp2_model"), "--to", "torch", str(tmp_path / "model.pt")]) == 0
+    got, want = torch.load(tmp_path / "model.pt"), torch.load(root / "fsdp2-full.pt")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_strict_false_reports_missing_and_unexpected_keys(results):

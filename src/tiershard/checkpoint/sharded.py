@@ -812,9 +812,13 @@ def verify(path: str | os.PathLike, rank: int = 0, world: int = 1) -> dict:
         raise CheckpointError(f"checkpoint {path} is a plain DCP folder (.metadata, no {MANIFEST}): it has no "
                               "manifest to verify its files against; ts.load and tiershard convert read it as it "
                               "is, and DCP checks every tensor's shape as it loads")
+    if not manifest_path.is_file() and (path / "extra").exists():
+        raise CheckpointError(f"checkpoint {path} is incomplete: {manifest_path} is missing, though ts.save's "
+                              "extra/ is there (a copy that lost it, or a folder altered after the save; ts.save "
+                              "renames a folder into place only with its manifest): copy the checkpoint again")
     if not manifest_path.is_file():
-        raise CheckpointError(f"checkpoint {path} is incomplete: {manifest_path} is missing (a save that did not "
-                              "finish, or not a tiershard checkpoint)")
+        raise CheckpointError(f"checkpoint {path} is incomplete: {manifest_path} is missing (not a tiershard "
+                              "checkpoint, nor a folder dcp.save completed: it writes .metadata last)")
     try:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
