@@ -62,7 +62,8 @@ def _hand_out(optimizer: torch.optim.Optimizer, state: dict) -> dict:
 
 def watch(optimizer: torch.optim.Optimizer, masters: set[int]) -> None:
     """At an optimizer's first step: if it steps any of ``masters`` (ids), its ``state_dict()`` from now on is an
-    ``OptimizerStateDict``. Checked once per optimizer."""
+    ``OptimizerStateDict``, and if ``load_state_dict`` left it without states, this step warns once it makes them
+    ([Note: a sharded optimizer's own state_dict]). Checked once per optimizer."""
     if optimizer.__dict__.get("_tiershard_watched"):
         return
     optimizer.__dict__["_tiershard_watched"] = True
