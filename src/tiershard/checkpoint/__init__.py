@@ -2,6 +2,6 @@
 to single-file formats (``convert``), which reads them in one process without a process group."""
 from __future__ import annotations
 
-from .sharded import CheckpointError, SaveFuture, latest, load, resolve, save, verify
+from .sharded import CheckpointError, LoadResult, SaveFuture, latest, load, resolve, save, verify
 
-__all__ = ["CheckpointError", "SaveFuture", "save", "load", "latest", "resolve", "verify"]
+__all__ = ["CheckpointError", "LoadResult", "SaveFuture", "save", "load", "latest", "resolve", "verify"]

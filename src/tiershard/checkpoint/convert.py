@@ -1,4 +1,5 @@
-"""Consolidate a ``ts.save`` checkpoint into one model file set (safetensors or ``torch.save``), in one process.
+"""Consolidate a ``ts.save`` checkpoint (or a plain DCP folder of ``{"model": get_model_state_dict(model)}``, as
+FSDP2 users write it) into one model file set (safetensors or ``torch.save``), in one process.
 
 A checkpoint holds the model as DCP shards written by every rank. Converting needs no process group and no
 GPU: the reader asks DCP for one tensor at a time (``dcp.load(..., no_dist=True)`` into a state dict holding
@@ -103,7 +104,7 @@ class _Reader:
         from . import sharded as checkpoint
 
         self.path = checkpoint.resolve(path)
-        if verify:
+        if verify and not checkpoint.is_plain_dcp(self.path):   # a plain DCP folder has no manifest to check
             checkpoint.verify(self.path)       # every file's presence, size and CRC-32 against the manifest
 
         # DCP's reader, reading .metadata once (every load asks) and as data only: a checkpoint from elsewhere
@@ -127,8 +128,10 @@ class _Reader:
                                    "state): convert writes tensors only")
             self.entries.append(Entry(name, key, tuple(meta.size), meta.properties.dtype))
         if not self.entries:
-            raise ConvertError(f"{self.path} holds no model tensors (no 'model' entries): it was not written by "
-                               "ts.save")
+            raise ConvertError(f"{self.path} holds no model tensors (no 'model' entries): convert reads ts.save "
+                               "checkpoints and DCP folders saved as dcp.save({\"model\": get_model_state_dict("
+                               "model)}) (or with get_state_dict's optimizer beside it); save the model under "
+                               "\"model\"")
 
     def read(self, entry: Entry, scratch: torch.Tensor | None = None) -> torch.Tensor:
         """The full tensor of ``entry``; read into the front of ``scratch`` (bytes) when given, so a stream of

@@ -67,7 +67,7 @@ from ..comm.failure import guard
 from ..runtime.flat import copy_in_background
 from .staging import ShardStager, _local
 
-__all__ = ["CheckpointError", "SaveFuture", "save", "load", "latest", "resolve", "verify"]
+__all__ = ["CheckpointError", "LoadResult", "SaveFuture", "save", "load", "latest", "resolve", "verify"]
 
 MANIFEST = "tiershard.json"
 LATEST = "latest"
@@ -76,6 +76,23 @@ FORMAT = 1
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete or corrupt; the message names the file and what is wrong."""
+
+
+class LoadResult(dict):
+    """What ``ts.load`` returns: the saved ``extra`` (its items when it is a dict, so ``result["step"]`` reads as
+    before; ``.extra`` is the extra itself, whatever it is), and the DCP keys it did not load, as
+    ``nn.Module.load_state_dict`` reports them: ``missing_keys`` (in the model or optimizer, not in the
+    checkpoint: kept as they were) and ``unexpected_keys`` (in the checkpoint, not in them: not read)."""
+
+    def __init__(self, extra: Any = None, missing_keys: list[str] | None = None,
+                 unexpected_keys: list[str] | None = None):
+        super().__init__(extra if isinstance(extra, dict) else {})
+        self.extra = extra
+        self.missing_keys = list(missing_keys or [])
+        self.unexpected_keys = list(unexpected_keys or [])
+
+    def __reduce__(self):
+        return (LoadResult, (self.extra, self.missing_keys, self.unexpected_keys))
 
 
 def _engine(model: torch.nn.Module):
@@ -566,15 +583,17 @@ def resolve(path: str | os.PathLike) -> Path:
 
 @_bounded("load")
 def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-         strict: bool = True) -> Any:
+         strict: bool = True) -> LoadResult:
     """Load a checkpoint into ``model`` (and ``optimizer``) under any world size, topology and plan.
 
-    ``path`` is a checkpoint folder or a folder whose ``latest`` names one. Returns the ``extra`` this rank
-    saved (rank 0's when the checkpoint was written by fewer ranks). Raises ``CheckpointError``, changing
-    nothing, when the checkpoint is missing, incomplete or corrupt ([Note: refused loads change nothing]), or holds
-    anything but data ([Note: nothing runs from a file]). ``strict`` (as in ``nn.Module.load_state_dict``): the
-    checkpoint's keys must be exactly the model's (and the optimizer's); ``strict=False`` loads the keys that match
-    and keeps the others as they are.
+    ``path`` is a checkpoint folder, a folder whose ``latest`` names one, or a plain DCP folder of torch's state
+    dicts (``dcp.save({"model": ..., "optim": ...})`` of ``get_state_dict``, e.g. written by FSDP2: no manifest,
+    so nothing to check its files against). Returns a ``LoadResult``: the ``extra`` this rank saved (rank 0's
+    when the checkpoint was written by fewer ranks) and the missing and unexpected keys. Raises
+    ``CheckpointError``, changing nothing, when the checkpoint is missing, incomplete or corrupt ([Note: refused
+    loads change nothing]), or holds anything but data ([Note: nothing runs from a file]). ``strict`` (as in
+    ``nn.Module.load_state_dict``): the checkpoint's keys must be exactly the model's (and the optimizer's);
+    ``strict=False`` loads the keys that match and keeps the others as they are.
     """
     engine = _engine(model)
     _wait_for_save(engine, "ts.load")             # an asynchronous save in flight completes first
@@ -583,7 +602,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     error = reader = extra = None
     try:
         path = resolve(path)
-        manifest = verify(path, rank, world)
+        manifest = {} if is_plain_dcp(path) else verify(path, rank, world)
         reader = SafeReader(path)
         reader.read_metadata()
         extra = _read_extra(path, rank, world, manifest)
@@ -593,8 +612,9 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         error = str(err)
     state = _state(model, optimizer, None if reader is None or reader.metadata is None else
                    reader.metadata.state_dict_metadata)
+    missing, unexpected = ([], []) if error is not None else _key_diff(reader.metadata, state)
     if error is None and strict:
-        error = _mismatch(path, reader.metadata, state)
+        error = _mismatch(path, reader.metadata, state, missing, unexpected)
     _agree(error, group)
     try:
         dcp.load(state, storage_reader=reader, planner=SafePlanner(reader, allow_partial_load=not strict),
@@ -622,7 +642,15 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
             group.qgz.load_state_dict(reducer)
     for group in engine.groups():
         group.sync_params()
-    return extra
+    return LoadResult(extra, missing, unexpected)
+
+
+def is_plain_dcp(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a folder ``dcp.save`` wrote by itself (``.metadata``, no tiershard manifest, none of
+    the files ``ts.save`` writes beside DCP's), as opposed to a ``ts.save`` checkpoint that lost its manifest."""
+    path = Path(path)
+    return ((path / ".metadata").is_file() and not (path / MANIFEST).exists()
+            and not (path / "extra").exists() and not (path / "qgz").exists())
 
 
 # [Note: qgz state in checkpoints] qgz's reducers hold per-rank state that shapes the next reductions: the
@@ -655,21 +683,41 @@ def _read_reducers(path: Path, rank: int, world: int, manifest: dict, engine) ->
             for g, s in zip(groups, states)]
 
 
-def _mismatch(path: Path, metadata: Metadata, state: dict) -> str | None:
-    """The keys of ``state`` the checkpoint lacks and the checkpoint's keys ``state`` lacks (of the parts ``state``
-    holds: the model, and the optimizer if given), as one message; None when they are the same."""
+def _key_diff(metadata: Metadata, state: dict) -> tuple[list[str], list[str]]:
+    """(keys of ``state`` the checkpoint lacks, the checkpoint's keys ``state`` lacks), of the parts ``state``
+    holds: the model, and the optimizer if given."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     flat, _ = flatten_state_dict(state)
     where = metadata.planner_data or {}
     saved = [k for k in metadata.state_dict_metadata if (where[k][0] if k in where else k.split(".")[0]) in state]
-    missing = [k for k in flat if k not in metadata.state_dict_metadata]
-    unexpected = [k for k in saved if k not in flat]
+    return [k for k in flat if k not in metadata.state_dict_metadata], [k for k in saved if k not in flat]
+
+
+_RECIPE = ("read it with torch's own route: model_sd, optim_sd = get_state_dict(model, opt); "
+           "state = {\"model\": model_sd, \"optim\": optim_sd}; dcp.load(state, checkpoint_id=path); "
+           "set_state_dict(model, opt, model_state_dict=state[\"model\"], optim_state_dict=state[\"optim\"]) "
+           "(torch.distributed.checkpoint.state_dict)")
+
+
+def _mismatch(path: Path, metadata: Metadata, state: dict, missing: list[str], unexpected: list[str]) -> str | None:
+    """The missing and unexpected keys as one message naming the fix; None when there are none."""
     if not missing and not unexpected:
         return None
-    if "optim" in state and not any(k.startswith("optim.") for k in metadata.state_dict_metadata):
+    keys = metadata.state_dict_metadata
+    if "optim" in state and any(re.match(r"optim\.state\.\d+\.", k) for k in keys):
+        return (f"checkpoint {path} holds the optimizer's own state_dict() (its states keyed by parameter "
+                "position, e.g. optim.state.0.exp_avg), not torch's get_state_dict (keyed by name): loading that "
+                "into a fresh optimizer restarts it (Adam's moments and step lost); save with ts.save or "
+                "get_state_dict(model, opt), or load the model only, ts.load(path, model), and start the "
+                "optimizer afresh knowingly")
+    if "optim" in state and not any(k.startswith("optim.") for k in keys):
         return (f"checkpoint {path} holds no optimizer state (it was saved without an optimizer): load the model "
                 "only, ts.load(path, model), or pass strict=False to keep the optimizer as it is")
+    if "optim" in state and not any(k.startswith("optim.state.") for k in keys):
+        return (f"checkpoint {path} holds an optimizer without per-parameter state (no optim.state.* keys: saved "
+                "from an optimizer's state_dict() before its first step, or of a fresh one): load the model only, "
+                "ts.load(path, model), or pass strict=False to keep the optimizer as it is")
 
     def few(keys: list[str]) -> str:
         return ", ".join(keys[:5]) + (f", ... ({len(keys) - 5} more)" if len(keys) > 5 else "")
@@ -677,6 +725,13 @@ def _mismatch(path: Path, metadata: Metadata, state: dict) -> str | None:
     parts = [f"{len(keys)} {what} keys ({where}): {few(keys)}" for keys, what, where in (
         (missing, "missing", "in this model, not in the checkpoint"),
         (unexpected, "unexpected", "in the checkpoint, not in this model")) if keys]
+    if is_plain_dcp(path) and not any(k.startswith("model.") for k in keys):
+        where = metadata.planner_data or {}
+        tops = sorted({str(where[k][0]) if k in where else k.split(".")[0] for k in keys})
+        return (f"checkpoint {path} is a plain DCP folder (.metadata, no {MANIFEST}) whose keys are under "
+                f"{', '.join(repr(t) for t in tops[:5])}, not 'model': ts.load reads {{\"model\": model_sd, "
+                f"\"optim\": optim_sd}} as torch's get_state_dict gives them; {_RECIPE}, under the keys it was "
+                "saved with")
     return (f"checkpoint {path} does not fit this model: {'; '.join(parts)}. Load a checkpoint of this model, or "
             "pass strict=False to load the keys that match and keep the others as they are")
 
@@ -787,13 +842,22 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 group["lr"] = rate
 
 
-def verify(path: Path, rank: int = 0, world: int = 1) -> dict:
+def verify(path: str | os.PathLike, rank: int = 0, world: int = 1) -> dict:
     """Check the manifest against the files: presence and size of all, CRC-32 of this rank's share (all of them
     by default, in one process). Returns the manifest; raises ``CheckpointError`` naming the first bad file."""
+    path = Path(path)
     manifest_path = path / MANIFEST
+    if is_plain_dcp(path):
+        raise CheckpointError(f"checkpoint {path} is a plain DCP folder (.metadata, no {MANIFEST}): it has no "
+                              "manifest to verify its files against; ts.load and tiershard convert read it as it "
+                              "is, and DCP checks every tensor's shape as it loads")
+    if not manifest_path.is_file() and (path / "extra").exists():
+        raise CheckpointError(f"checkpoint {path} is incomplete: {manifest_path} is missing, though ts.save's "
+                              "extra/ is there (a copy that lost it, or a folder altered after the save; ts.save "
+                              "renames a folder into place only with its manifest): copy the checkpoint again")
     if not manifest_path.is_file():
-        raise CheckpointError(f"checkpoint {path} is incomplete: {manifest_path} is missing (a save that did not "
-                              "finish, or not a tiershard checkpoint)")
+        raise CheckpointError(f"checkpoint {path} is incomplete: {manifest_path} is missing (not a tiershard "
+                              "checkpoint, nor a folder dcp.save completed: it writes .metadata last)")
     try:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]

@@ -15,8 +15,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "convert", help="consolidate a checkpoint into safetensors or torch.save weights",
         description="Write the model of a ts.save checkpoint (a checkpoint folder, or a folder whose `latest` "
-                    "names one) as full tensors under the module's own names, in one process.")
-    p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder, or a folder with a `latest` pointer")
+                    "names one), or of a plain DCP folder holding {'model': get_model_state_dict(model)} (FSDP2's), "
+                    "as full tensors under the module's own names, in one process.")
+    p.add_argument("checkpoint", metavar="CKPT",
+                   help="a checkpoint folder, a folder with a `latest` pointer, or a plain DCP folder")
     p.add_argument("out", metavar="OUT", help="--to safetensors: a folder; --to torch: a file")
     p.add_argument("--to", dest="to", required=True, metavar="FORMAT",
                    help="safetensors (shards as transformers writes them) or torch (one torch.save file)")

@@ -84,6 +84,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..comm.stream import stream_for
 from .outer import OuterSync
 from .flat import FlatGroup, MemoryGauge, wait_for_copies
+from .optim_state import watch
 
 if TYPE_CHECKING:
     from ..plan import Placement
@@ -92,6 +93,7 @@ if TYPE_CHECKING:
 _ENGINES: "list[weakref.ref[Engine]]" = []
 _STEP_HOOK = None
 _PRE_STEP_HOOK = None
+_WATCH_HOOK = None
 
 
 def _outside_graphs(hook):
@@ -423,8 +425,16 @@ def _before_optimizer_step(optimizer, args, kwargs) -> None:
                     group.note_writes_before_step()
 
 
+def _watch_optimizer(optimizer, args, kwargs) -> None:
+    """[Note: a sharded optimizer's own state_dict] (optim_state.py), once per optimizer."""
+    if not optimizer.__dict__.get("_tiershard_watched"):
+        engines = [ref() for ref in _ENGINES]
+        watch(optimizer, {id(m) for e in engines if e is not None for g in e.groups() for m in g.masters})
+
+
 def _install_step_hook() -> None:
-    global _STEP_HOOK, _PRE_STEP_HOOK
+    global _STEP_HOOK, _PRE_STEP_HOOK, _WATCH_HOOK
     if _STEP_HOOK is None:
         _STEP_HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
         _PRE_STEP_HOOK = register_optimizer_step_pre_hook(_before_optimizer_step)
+        _WATCH_HOOK = register_optimizer_step_pre_hook(_watch_optimizer)
