@@ -12,7 +12,9 @@ same order) and one clock read. When the collective raises a communication error
 ``CollectiveError``: this rank writes what it was in (group, sequence number, operation, unit, time) under its own
 key in the default c10d store, waits up to the report window for the other members' keys, and names as missing
 every member that reported a different collective (it skipped this one) or nothing (it died, or waits outside
-tiershard). A report written before this rank entered its collective is an older failure and does not count. The store lives on
+tiershard). A report written before this rank entered its collective is an older failure and does not count. A rank that waited only for
+members that failed themselves (a rank two hops from a dead one) then reads the world's reports of the same
+failure and names where it began: a rank the others name as missing that wrote no report. The store lives on
 the master (rank 0's host); when it does not answer, the error says the missing ranks could not be determined.
 The error is raised where the collective ran: on the stream's thread it reaches the main thread through the job's
 future (``CommStream`` raises it at the next wait, drain or submit).
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
 _LINGER: list[tuple] = []                    # rank 0 at exit: (until, ranks not reported, since) (see describe)
 _SEQ: dict[int, int] = {}                    # id(process group) -> engine collectives issued on it so far
 _LOCAL = threading.local()                   # .unit: the unit whose job this thread runs
+STORE_SLACK = 10.0                           # seconds past the window before a silent store counts as gone
 CLOCK_SLACK = 0.1                            # seconds the hosts' clocks may disagree when reports are compared
 _MARKERS = ("gloo", "nccl", "timed out", "timeout", "connection", "peer", "broken pipe", "socket", "watchdog")
 HINT = ("Every rank must run the same collectives in the same order: call the model, ts.save, ts.load and "
@@ -175,7 +178,7 @@ def _exchange(rank: int, mine: dict, others: list[int], window: float,
 
     thread = threading.Thread(target=work, name="tiershard-failure-report", daemon=True)
     thread.start()
-    thread.join(window + 2.0)
+    thread.join(window + STORE_SLACK)
     if thread.is_alive():
         return {}, "the rendezvous store did not answer"
     if late:
