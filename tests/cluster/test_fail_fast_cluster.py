@@ -100,9 +100,9 @@ def run_scenario(cluster, scenario: str, timeout: float, folder: str) -> dict:
     return run_scenarios(cluster, [scenario], timeout, folder)[scenario]
 
 
-def run_scenarios(cluster, scenarios: list[str], timeout: float, folder: str) -> dict[str, dict]:
+def run_scenarios(cluster, scenarios: list[str], timeout: float, folder: str, script: Path = HERE) -> dict[str, dict]:
     """``run_scenario`` for several scenarios at once, each its own job on its own port: the survivors spend the
-    bound waiting, so jobs run side by side take the time of one."""
+    bound waiting, so jobs run side by side take the time of one. Each rank runs ``script job SCENARIO FOLDER``."""
     import random
 
     from tiershard.cluster.emulated import rank_env
@@ -113,8 +113,8 @@ def run_scenarios(cluster, scenarios: list[str], timeout: float, folder: str) ->
         for rank in range(cluster.world_size):
             env = {**os.environ, "OMP_NUM_THREADS": "1", "TIERSHARD_COLLECTIVE_TIMEOUT": str(timeout),
                    **rank_env(rank, cluster.nodes, cluster.ranks_per_node, port)}
-            out = open(Path(folder) / f"{scenario}-rank{rank}.log", "w+")
-            argv = [sys.executable, str(HERE), "job", scenario, folder]
+            out = open(Path(folder) / f"{scenario.replace('@', '-').replace('+', '_')}-rank{rank}.log", "w+")
+            argv = [sys.executable, str(script), "job", scenario, folder]
             proc = subprocess.Popen(cluster.node_command(rank // cluster.ranks_per_node, argv), env=env,
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
             jobs.append((scenario, rank, proc, out))
@@ -137,7 +137,7 @@ def run_scenarios(cluster, scenarios: list[str], timeout: float, folder: str) ->
         result = next((json.loads(line[7:]) for line in text.splitlines() if line.startswith("RESULT ")), None)
         for line in text.splitlines():
             if line.startswith("KILLED "):
-                runs[scenario]["killed"] = float(line[7:])
+                runs[scenario]["killed"] = float(line[7:].split()[0])
         runs[scenario]["ranks"][rank] = {"result": result, "code": proc.returncode, "ended": ended.get(i),
                                          "log": text[-3000:]}
     return runs

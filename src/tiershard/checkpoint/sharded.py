@@ -63,7 +63,8 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from ..comm.failure import guard
+from ..comm.failure import CollectiveError, guard
+from ..topology import TierGroup
 from ..runtime.flat import copy_in_background
 from .staging import ShardStager, _local
 
@@ -353,6 +354,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     if dist.is_initialized():
         dist.barrier(group=group)
     state = _state(model, optimizer)
+    _restart_differences(engine)
     _write_reducers(engine, tmp, rank)
     if async_save:                                # the extra as it is now, before training goes on
         _save_extra(extra, tmp, rank, group)
@@ -360,6 +362,16 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     dcp.save(state, checkpoint_id=str(tmp), process_group=group)
     _save_extra(extra, tmp, rank, group)
     return _commit(tmp, path, token, engine, group)
+
+
+def _restart_differences(engine) -> None:
+    """[Note: a save restarts qWD] qWD sends each gather as a difference against a reference band that a
+    checkpoint does not hold (a load starts from an exact gather), so every save drops the reference too: the
+    gathers after it are exact on the saving run as on a run resumed from it, and a resume repeats the run bit for
+    bit. One exact gather per save."""
+    for group in engine.groups():
+        if group.qwd is not None:
+            group.sync_params()
 
 
 def _save_extra(extra: Any, tmp: Path, rank: int, group) -> None:
@@ -453,7 +465,9 @@ def _async_group(topology):
     group = getattr(topology, "_tiershard_async_save_group", None)
     if group is None:
         world = dist.get_world_size()
-        group = dist.new_group(list(range(world)), timeout=timedelta(seconds=topology.timeout), backend="gloo")
+        # bounded as the control group is: the report window comes on top ([Note: bounded collectives])
+        group = dist.new_group(list(range(world)), timeout=timedelta(seconds=topology.timeout -
+                                                                     topology.report_window), backend="gloo")
         topology._tiershard_async_save_group = group
     return group
 
@@ -491,20 +505,24 @@ def _save_async(state: dict, tmp: Path, path: Path, token: str, engine) -> SaveF
     handle = SaveFuture(path)
     handle.set_running_or_notify_cancel()
 
+    everyone = tuple(range(dist.get_world_size()))
+    collective = TierGroup(everyone, everyone, group)      # a rank lost meanwhile is named ([Note: bounded ...])
+
     def finish() -> None:
         try:
-            response.upload_completion.result()
-            copied.result()
-            _agree(f"rank {rank}'s {written[0]} was written while the save copied it ({len(written)} tensors in "
-                   "all), so the copy may mix old and new values. Write parameters and optimizer states after the "
-                   "optimizer's next step (which waits for the copy), or after the save (its handle's result())"
-                   if written else None, group)
-            handle.set_result(_commit(tmp, path, token, engine, group))
+            with guard("save", collective, engine.topology, unit=f"checkpoint {path}"):
+                response.upload_completion.result()
+                copied.result()
+                _agree(f"rank {rank}'s {written[0]} was written while the save copied it ({len(written)} tensors "
+                       "in all), so the copy may mix old and new values. Write parameters and optimizer states "
+                       "after the optimizer's next step (which waits for the copy), or after the save (its "
+                       "handle's result())" if written else None, group)
+                handle.set_result(_commit(tmp, path, token, engine, group))
         except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the handle
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            cause = err if isinstance(err, CheckpointError) else _first_failure(err)
-            failure = CheckpointError(f"ts.save to {path} failed while writing ({cause}): nothing was renamed "
+            cause = err if isinstance(err, (CheckpointError, CollectiveError)) else _first_failure(err)
+            failure = CheckpointError(f"ts.save to {path} failed in the background ({cause}): nothing was renamed "
                                       f"into place, the previous checkpoint and {LATEST} are unchanged")
             failure.__cause__ = _first_exception(err)     # its traceback, for whoever prints the handle's error
             handle.set_exception(failure)

@@ -247,20 +247,35 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _stopped(err: BaseException) -> int:
+    """A collective failed on this rank (a peer died, or skipped it): one line, not a traceback per rank; the
+    launcher then names the rank that failed first and restarts or ends the job."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    print(f"tiershard train: rank {os.environ.get('RANK', '?')} stopped: {first}", file=sys.stderr, flush=True)
+    return 3
+
+
 def _run_rank(cfg) -> int:
     """One rank under torchrun: user errors the launcher could not catch become one line from rank 0."""
     from ..train import data as data_mod
     from ..train import trainer
     from ..checkpoint import CheckpointError
+    from ..comm.failure import CollectiveError, comm_failure
     from ..plan import PlanError
     from ..topology import TopologyError
 
     try:
         trainer.train(cfg)
     except (PlanError, TopologyError, data_mod.DataError, trainer.SetupError, CheckpointError) as err:
+        if isinstance(err, CheckpointError) and comm_failure(err.__cause__) is not None:
+            return _stopped(err)
         if os.environ.get("RANK") == "0":
             raise CliError(str(err)) from None
         return 2
+    except Exception as err:
+        if isinstance(err, CollectiveError) or comm_failure(err) is not None:
+            return _stopped(err)
+        raise
     if os.environ.get("TIERSHARD_LAUNCHED") == "1":
         # Ranks this command started have written and closed everything; skipping the interpreter's teardown
         # of torch saves seconds per run (the launcher waits for every rank to exit).

@@ -12,7 +12,9 @@ same order) and one clock read. When the collective raises a communication error
 ``CollectiveError``: this rank writes what it was in (group, sequence number, operation, unit, time) under its own
 key in the default c10d store, waits up to the report window for the other members' keys, and names as missing
 every member that reported a different collective (it skipped this one) or nothing (it died, or waits outside
-tiershard). A report written before this rank entered its collective is an older failure and does not count. The store lives on
+tiershard). A report written before this rank entered its collective is an older failure and does not count. A rank that waited only for
+members that failed themselves (a rank two hops from a dead one) then reads the world's reports of the same
+failure and names where it began: a rank the others name as missing that wrote no report. The store lives on
 the master (rank 0's host); when it does not answer, the error says the missing ranks could not be determined.
 The error is raised where the collective ran: on the stream's thread it reaches the main thread through the job's
 future (``CommStream`` raises it at the next wait, drain or submit).
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
 _LINGER: list[tuple] = []                    # rank 0 at exit: (until, ranks not reported, since) (see describe)
 _SEQ: dict[int, int] = {}                    # id(process group) -> engine collectives issued on it so far
 _LOCAL = threading.local()                   # .unit: the unit whose job this thread runs
+STORE_SLACK = 10.0                           # seconds past the window before a silent store counts as gone
 CLOCK_SLACK = 0.1                            # seconds the hosts' clocks may disagree when reports are compared
 _MARKERS = ("gloo", "nccl", "timed out", "timeout", "connection", "peer", "broken pipe", "socket", "watchdog")
 HINT = ("Every rank must run the same collectives in the same order: call the model, ts.save, ts.load and "
@@ -175,12 +178,55 @@ def _exchange(rank: int, mine: dict, others: list[int], window: float,
 
     thread = threading.Thread(target=work, name="tiershard-failure-report", daemon=True)
     thread.start()
-    thread.join(window + 2.0)
+    thread.join(window + STORE_SLACK)
     if thread.is_alive():
         return {}, "the rendezvous store did not answer"
     if late:
         mine["late"] = late[0]
     return dict(reports), (problem[0] if problem else None)
+
+
+def _publish(rank: int, mine: dict) -> None:
+    """Rewrite this rank's report (now with the ranks it found missing); at most a second, on a daemon thread."""
+    def work() -> None:
+        try:
+            dist.distributed_c10d._get_default_store().set(f"tiershard/failed/{rank}", json.dumps(mine))
+        except Exception:
+            pass
+    thread = threading.Thread(target=work, name="tiershard-failure-report", daemon=True)
+    thread.start()
+    thread.join(1.0)
+
+
+def _first_cause(rank: int, missing: tuple[int, ...], reports: dict[int, dict], topology: "Topology",
+                 since: float) -> str | None:
+    """Where the failure began, when the members this rank waited for failed themselves: a rank that the other
+    ranks' reports (of this failure, anywhere in the world) name as missing and that wrote none of its own, so a
+    survivor far from a dead rank names it too. Best effort: reads only what is already in the store."""
+    if all(r not in reports for r in missing):        # this rank waited for the silent ones itself
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        world = dist.get_world_size()
+        fresh: dict[int, dict] = dict(reports)
+        for r in range(world):
+            key = f"tiershard/failed/{r}"
+            if r != rank and r not in fresh and store.check([key]):
+                report = json.loads(store.get(key))
+                if report.get("time", 0) >= since:
+                    fresh[r] = report
+        named: dict[int, list[int]] = {}
+        for r, report in fresh.items():
+            for m in report.get("missing") or ():
+                if m != rank and m not in fresh:
+                    named.setdefault(m, []).append(r)
+    except Exception:                                   # the store's host went away: the rest stands
+        return None
+    if not named:
+        return None
+    culprits = ", ".join(f"rank {m} (named by ranks {sorted(by)})" for m, by in sorted(named.items()))
+    return (f"where it began: {culprits} sent no report of its own: dead, or blocked outside tiershard; the "
+            f"ranks this one waited for failed waiting for {'it' if len(named) == 1 else 'them'}")
 
 
 def _first_line(err: BaseException) -> str:
@@ -229,6 +275,11 @@ def describe(err: BaseException, op: str, unit: str, group: "TierGroup", topolog
             lines.append(f"ranks {silent} sent no report within {window:g} s: {why}")
     if missing:
         head += f": ranks {list(missing)} did not arrive"
+        mine["missing"] = list(missing)
+        _publish(rank, mine)                  # so that ranks failing later can follow it to where it began
+        first = _first_cause(rank, missing, reports, topology, since - CLOCK_SLACK)
+        if first:
+            lines.insert(0, first)
     elif missing is not None:
         head += ": every member arrived, but the connection between them failed"
     lines.append(f"cause: {cause}")

@@ -15,7 +15,8 @@ from step N with the same config and world therefore repeats the uninterrupted r
 [Note: test hooks] Two environment variables make a rank kill itself with SIGKILL, for the tests of
 restarts and of interrupted saves. Unset (always, outside tests) they cost a lookup at start-up and an
 integer comparison per step:
-``TIERSHARD_TEST_KILL_AT=RANK:STEP`` (rank RANK, before running step STEP, 0-based) and
+``TIERSHARD_TEST_KILL_AT=RANK:STEP[:PHASE]`` (rank RANK, before running step STEP, 0-based; or inside that
+step's ``forward``, ``backward`` or ``optimizer`` step) and
 ``TIERSHARD_TEST_KILL_IN_SAVE=RANK:STEP`` (rank RANK, inside ``ts.save`` of ``step_STEP``, after its
 checkpoint shards are written and before the folder is renamed into place: while ``ts.save`` pickles the
 rank's extra). Both act only on a job's first attempt (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so a
@@ -112,16 +113,40 @@ def init_process_group(backend: str) -> None:
                             world_size=int(os.environ["WORLD_SIZE"]))
 
 
-def _test_hook(name: str, rank: int) -> int | None:
-    """The step of a kill hook aimed at this rank on the first attempt, else None ([Note: test hooks])."""
+KILL_PHASES = ("start", "forward", "backward", "optimizer")
+
+
+def _test_hook(name: str, rank: int, phases: tuple[str, ...] = ("start",)) -> tuple[int, str] | None:
+    """(step, phase) of a kill hook aimed at this rank on the first attempt, else None ([Note: test hooks])."""
     value = os.environ.get(name)
     if not value or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return None
+    parts = value.split(":")
     try:
-        target, step = (int(v) for v in value.split(":"))
-    except ValueError:
-        raise SetupError(f"{name}={value!r} is not RANK:STEP (a test hook; unset it)") from None
-    return step if target == rank else None
+        target, step = int(parts[0]), int(parts[1])
+        phase = parts[2] if len(parts) == 3 else "start"
+        if len(parts) not in (2, 3) or phase not in phases:
+            raise ValueError
+    except (ValueError, IndexError):
+        shape = "RANK:STEP" + (f"[:{'|'.join(phases)}]" if len(phases) > 1 else "")
+        raise SetupError(f"{name}={value!r} is not {shape} (a test hook; unset it)") from None
+    return (step, phase) if target == rank else None
+
+
+def _kill_in(phase: str, model, opt) -> None:
+    """Test hook: SIGKILL this process inside ``phase`` of the step about to run ([Note: test hooks])."""
+    def die(*_) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    if phase == "start":
+        die()
+    elif phase == "forward":             # the last block's: the earlier blocks' gathers are done
+        blocks[-1].register_forward_pre_hook(die)
+    elif phase == "backward":            # the first block's: its backward comes last, after the others' reductions
+        blocks[0].register_full_backward_pre_hook(die)
+    else:
+        opt.register_step_pre_hook(die)
 
 
 class _KillWhenPickled:
@@ -203,8 +228,8 @@ def _train(cfg: JobConfig, device: torch.device) -> dict:
     out = Path(tc.out)
     ckpt_root = out / "checkpoints"
     lead = rank == 0
-    kill_at = _test_hook("TIERSHARD_TEST_KILL_AT", rank)
-    kill_in_save = _test_hook("TIERSHARD_TEST_KILL_IN_SAVE", rank)
+    kill_at = _test_hook("TIERSHARD_TEST_KILL_AT", rank, KILL_PHASES) or (None, None)
+    kill_in_save = (_test_hook("TIERSHARD_TEST_KILL_IN_SAVE", rank) or (None,))[0]
     start, resumed, notes = 0, None, []
     source = resume_path(cfg)
     if source is not None:
@@ -232,8 +257,8 @@ def _train(cfg: JobConfig, device: torch.device) -> dict:
     timed_tokens, timed_seconds, last_val = 0, 0.0, None
     try:
         for step in range(start, tc.steps):
-            if step == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
+            if step == kill_at[0]:
+                _kill_in(kill_at[1], model, opt)
             t0 = time.perf_counter()
             lr = lr_at(step, tc)
             for group in opt.param_groups:
