@@ -298,18 +298,32 @@ def _native_child(args: argparse.Namespace) -> int:
 
 # ---- the Triton kernels in Triton's interpreter, in a child process -------------------------------------------
 def _patch_interpreter() -> None:
-    """Triton 3.6's interpreter turns a scalar argument into an int with int() of a 1-element array, which NumPy
-    >= 2.4 refuses (as in tests/comm/test_codecs.py): read the element instead."""
+    """Make Triton's interpreter compute what a GPU computes where it does not (its own bugs, not the kernels'):
+
+    - Triton 3.6's interpreter turns a scalar argument into an int with int() of a 1-element array, which NumPy
+      >= 2.4 refuses (as in tests/comm/test_codecs.py): read the element instead.
+    - Triton 3.9's interpreter widens bf16 to fp32 by renormalizing the significand, which turns every bf16
+      subnormal into a wrong value (1.0e-39 into 4.4e-39, 1.8e-40 into 0); a GPU widens by a 16-bit shift, exact.
+    """
+    import numpy as np
+    import triton.language as tl
     import triton.runtime.interpreter as interpreter
 
     patch = getattr(interpreter, "_patch_lang_tensor", None)
-    if patch is None:
-        return
+    if patch is not None:
+        def patch_index(tensor, scope):
+            patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        interpreter._patch_lang_tensor = patch_index
+    builder = interpreter.InterpreterBuilder
+    cast = builder.cast_impl
 
-    def patch_index(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-    interpreter._patch_lang_tensor = patch_index
+    def widen_bf16_exactly(self, src, dst_type):
+        if src.dtype.scalar == tl.bfloat16 and dst_type.scalar == tl.float32:
+            bits = src.data.view(np.uint16).astype(np.uint32) << 16
+            return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+        return cast(self, src, dst_type)
+    builder.cast_impl = widen_bf16_exactly  # the fp_ext and int-to-fp builders call it
 
 
 def _triton_child(args: argparse.Namespace) -> int:
@@ -383,7 +397,7 @@ def main() -> int:
     parser.add_argument("--cases", type=int, default=2000, help="cases 0..N-1 of the seed's stream")
     parser.add_argument("--case", type=int, default=None, help="only this case (to rerun a reported one)")
     parser.add_argument("--max-values", type=int, default=None, help="leave out cases of more values in all")
-    parser.add_argument("--builds", nargs="+", default=["native"], choices=sorted(BUILDS),
+    parser.add_argument("--builds", nargs="*", default=["native"], choices=sorted(BUILDS),
                         help="target flags of the sanitized C builds (each runs every case)")
     parser.add_argument("--opt", type=int, default=1, choices=(1, 2, 3), help="optimization level of those builds")
     parser.add_argument("--triton-cases", type=int, default=200,
