@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _dist import run_ranks
+from _dist import checkpoint_error as _error, run_ranks
 from _models import Block, TinyGPT, batches, loss_fn
 
 
@@ -50,16 +50,6 @@ def _reseal(folder: Path) -> None:
         data = (folder / name).read_bytes()
         manifest["files"][name] = {"size": len(data), "crc32": zlib.crc32(data)}
     (folder / "tiershard.json").write_text(json.dumps(manifest))
-
-
-def _error(fn) -> str:
-    from tiershard.checkpoint import CheckpointError
-
-    try:
-        fn()
-    except CheckpointError as err:
-        return str(err)
-    return "no error"
 
 
 def safety_run(rank, world, root):

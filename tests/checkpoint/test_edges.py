@@ -26,18 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from _dist import run_ranks
+from _dist import checkpoint_error as _error, run_ranks
 from _models import Block, TinyGPT, batches, loss_fn
-
-
-def _error(fn) -> str:
-    from tiershard.checkpoint import CheckpointError
-
-    try:
-        fn()
-    except CheckpointError as err:
-        return str(err)
-    return "no error"
 
 
 def edges_run(rank, world, root):

@@ -158,17 +158,6 @@ def _report(scenario: str, run: dict) -> None:
 
 # ---- the test -------------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def cluster():
-    from tiershard.cluster.emulated import EmulatedCluster, namespaces_unavailable
-
-    reason = namespaces_unavailable("probe")
-    if reason:
-        pytest.skip(reason)
-    with EmulatedCluster(2, 2, None, name=f"f{os.getpid() % 100000}") as made:
-        yield made
-
-
 BOUND = 5.0
 SCENARIOS = ["all_gather", "reduce_scatter"]
 

@@ -242,17 +242,6 @@ def restart_rows(plans: list[str], phases: list[str], folder: Path) -> list[dict
 
 # ---- the test -------------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def cluster():
-    from tiershard.cluster.emulated import EmulatedCluster, namespaces_unavailable
-
-    reason = namespaces_unavailable("probe")
-    if reason:
-        pytest.skip(reason)
-    with EmulatedCluster(2, 2, None, name=f"m{os.getpid() % 100000}") as made:
-        yield made
-
-
 BOUND = 8.0
 FAST = ["forward@IIG", "commit@NIG"]
 
