@@ -35,6 +35,8 @@ from typing import Sequence
 
 import torch.distributed as dist
 
+from .comm import liveness
+
 DEFAULT_NAMES = {1: ("world",), 2: ("node", "world"), 3: ("pair", "node", "world")}
 TIMEOUT_ENV = "TIERSHARD_COLLECTIVE_TIMEOUT"
 DEFAULT_TIMEOUT = 60.0      # seconds: how long a rank waits for the others in one of the engine's collectives
@@ -179,10 +181,11 @@ def _ranks_per_node_from_env(world: int, note: str) -> int:
 class Topology:
     """Nested tiers of ranks; owns the process groups of every tier and cross-tier set, made once.
 
-    ``timeout`` (seconds; default ``TIERSHARD_COLLECTIVE_TIMEOUT`` or 60) bounds every collective of the engine
-    and of ``ts.save``/``ts.load``: a collective that cannot complete (a rank skipped it or died) ends every rank
-    that waits in it with ``ts.CollectiveError`` within that time ([Note: bounded collectives] in
-    comm/failure.py). It is independent of the default process group's timeout.
+    ``timeout`` (seconds; default ``TIERSHARD_COLLECTIVE_TIMEOUT`` or 60) is how soon a rank that waits in a
+    collective of the engine or of ``ts.save``/``ts.load`` ends, naming the rank, when that rank died, stopped
+    beating, exited, or waits in a different collective itself; a rank that is alive and busy outside the
+    collectives is waited for up to the default process group's timeout ([Note: slow is not dead] in
+    comm/liveness.py, [Note: bounded collectives] in comm/failure.py).
     """
 
     def __init__(self, sizes: Sequence[int], names: Sequence[str] | None = None, timeout: float | None = None,
@@ -430,6 +433,12 @@ class Topology:
         return min(5.0, self.timeout / 4)
 
     @property
+    def group_timeout(self) -> float:
+        """Seconds each operation of the engine's groups may take: the default process group's timeout (how long
+        a live rank is waited for), at least ``timeout``, less the report window that comes on top."""
+        return max(liveness.process_group_timeout(), self.timeout) - self.report_window
+
+    @property
     def control_group(self) -> TierGroup:
         """Every rank, on a process group of its own bounded by ``timeout``: for the main thread's collectives
         (checkpoints), which must never interleave with the stream's on the engine's world group."""
@@ -471,8 +480,9 @@ class Topology:
                 f"make the last tier size {world}, e.g. Topology((ranks_per_node, {world}))")
         self.check_hosts([host for _, _, host in declared])
         me = dist.get_rank()
-        # gloo and NCCL apply a group's timeout to each of its operations; the report window comes on top
-        bound = timedelta(seconds=self.timeout - self.report_window)
+        # gloo and NCCL apply a group's timeout to each of its operations: the process group's own, so that a live
+        # rank is waited for; the heartbeat names a dead one within ``timeout`` ([Note: slow is not dead])
+        bound = timedelta(seconds=self.group_timeout)
         made: dict[tuple[int, ...], object] = {}
         for inner in range(self.num_levels):
             for outer in range(inner, self.num_levels):
@@ -489,12 +499,15 @@ class Topology:
                             made[ranks] = dist.new_group(list(ranks), timeout=bound)
                     pg = made[ranks]
                     if me in ranks:
+                        liveness.joined(pg)
                         self._groups[(inner, outer, me)] = self._make_group(me, inner, outer, pg)
         everyone = tuple(range(world))
         self._control = TierGroup(everyone, everyone, dist.new_group(list(everyone), timeout=bound)
                                   if world > 1 else None)
+        liveness.joined(self._control.pg)
         self._mesh = self._make_mesh(device_type)
         self._initialised = True
+        liveness.start(self)
 
     def node_level(self) -> int | None:
         """The level whose groups must each sit on one host: the tier named ``node``, else the tier below world

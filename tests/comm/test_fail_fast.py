@@ -1,13 +1,22 @@
-"""A collective that cannot complete ends every waiting rank within the topology's bound, with one error naming the
-operation, the unit, the tier and the ranks that did not arrive; and no failed job of the stream is ever dropped.
+"""Slow is waited for, dead is named, different collectives end every rank with one error naming both sides; and
+no failed job of the stream is ever dropped ([Note: slow is not dead], [Note: bounded collectives]).
 
-One launch of 4 gloo ranks (2 nodes of 2) with a 3 s bound: rank 0 alone calls ts.save while the others call the
-model (both sides fail, each naming the other), then rank 0 alone calls ts.full_state_dict (bound set by the
-environment variable), then rank 0 alone calls ts.save(async_save=True), then rank 0 skips a backward the others
-run (their reductions wait for it). Killed ranks are in tests/cluster/test_fail_fast_cluster.py.
+Two launches of 4 gloo ranks (2 nodes of 2) with a 3 s liveness bound and a 6 s process-group timeout:
+1. rank 0 works alone in user code for 4 s (beyond the bound) before the forward: the others wait for it, the
+   lowest of them says so once the bound has passed, and the step completes; then rank 0 skips a backward the
+   others run and sleeps: their reductions wait for it up to the process group's timeout and fail there, naming
+   it as busy; then rank 0 alone calls ts.save while the others call the model: both sides wait in a collective
+   the other has not reached, and the watchdog ends every rank within the bound, each naming the other side.
+2. rank 3 stops (SIGSTOP) before the forward: the survivors name it, its host and pid, within the bound.
+Killed ranks are in tests/cluster/test_fail_fast_cluster.py and tests/cluster/test_fault_matrix.py.
 """
 from __future__ import annotations
 
+import io
+import json
+import os
+import signal
+import sys
 import threading
 import time
 
@@ -18,6 +27,8 @@ from _dist import run_ranks
 from _models import Block, TinyGPT
 
 BOUND = 3.0
+PG_TIMEOUT = 6.0
+BUSY = 4.0
 
 
 def _outcome(call) -> dict:
@@ -36,73 +47,148 @@ def _outcome(call) -> dict:
     return out
 
 
-def _skipped_collectives(rank, world, folder):
-    import torch.distributed as dist
+class _Tee(io.StringIO):
+    def __init__(self, stream):
+        super().__init__()
+        self.stream = stream
 
+    def write(self, text):
+        self.stream.write(text)
+        return super().write(text)
+
+
+def _ended_into(path: str):
+    """Make the watchdog's end write its message to ``path`` (then end the process as it would)."""
+    from tiershard.comm import liveness
+
+    def end(message: str) -> None:
+        with open(path, "w") as f:
+            f.write(json.dumps({"message": message, "time": time.time()}))
+        liveness.end_process(message)
+    liveness.HEART.end = end
+
+
+def _slow_and_skipped(rank, world, folder):
     import tiershard as ts
 
+    sys.stderr = _Tee(sys.stderr)
     torch.manual_seed(0)
     tokens = torch.randint(0, 37, (2, 8))
-    out = {}
-    # 1. `if rank == 0: ts.save(...)` while the others go on to the model
-    model = ts.shard(TinyGPT(), "GGG", ts.Topology((2, 4), timeout=BOUND), wrap={Block})
-    if rank == 0:
-        out["save"] = _outcome(lambda: ts.save(f"{folder}/ckpt", model))
-    else:
-        out["save"] = _outcome(lambda: model(tokens))
-    # 2. `if rank == 0: ts.full_state_dict(model)` while the others wait in the user's own barrier; the bound
-    # comes from TIERSHARD_COLLECTIVE_TIMEOUT
+    out = {"bound": ts.Topology((2, 4)).timeout}
+    # 1. rank 0 is busy in user code past the bound: waited for, with a notice
     model = ts.shard(TinyGPT(), "IIG", ts.Topology((2, 4)), wrap={Block})
-    out["bound"] = ts.Topology((2, 4)).timeout
     if rank == 0:
-        out["state_dict"] = _outcome(lambda: ts.full_state_dict(model))
-    # 3. `if rank == 0: ts.save(..., async_save=True)`: the call itself fails within the bound, not its background
-    model = ts.shard(TinyGPT(), "GGG", ts.Topology((2, 4), timeout=BOUND), wrap={Block})
-    if rank == 0:
-        out["async_save"] = _outcome(lambda: ts.save(f"{folder}/async", model, async_save=True))
-    else:
-        out["async_save"] = _outcome(lambda: model(tokens))
-    # 4. rank 0 skips backward: the others' first reduction waits for it, and the next unit waits for that one
-    # before making its gradients ([Note: one reduction in flight]); both end within the bound
-    model = ts.shard(TinyGPT(), "NGG", ts.Topology((2, 4), timeout=BOUND), wrap={Block})
+        time.sleep(BUSY)
+    out["busy"] = _outcome(lambda: model(tokens).float().sum().backward())
+    out["busy_notices"] = [line for line in sys.stderr.getvalue().splitlines() if "has waited" in line]
+    # 2. rank 0 skips backward: the others' first reduction waits for it up to the process group's timeout
+    # ([Note: one reduction in flight]), and the error names it as busy
+    model = ts.shard(TinyGPT(), "NGG", ts.Topology((2, 4)), wrap={Block})
     loss = model(tokens).float().sum()
     if rank != 0:
         out["backward"] = _outcome(loss.backward)
-    dist.barrier()
-    return out
+    else:
+        time.sleep(PG_TIMEOUT + 1)
+    with open(f"{folder}/rank{rank}.json", "w") as f:
+        json.dump(out, f)
+    # 3. `if rank == 0: ts.save(...)` while the others go on to the model: the watchdog ends every rank
+    _ended_into(f"{folder}/ended{rank}.json")
+    model = ts.shard(TinyGPT(), "GGG", ts.Topology((2, 4)), wrap={Block})
+    started = time.time()
+    with open(f"{folder}/started{rank}", "w") as f:
+        f.write(str(started))
+    _raised_into(f"{folder}/raised{rank}.json", lambda: ts.save(f"{folder}/ckpt", model) if rank == 0
+                 else model(tokens))
+    return "not ended by the watchdog"
 
 
-def test_a_skipped_collective_ends_every_waiting_rank_with_its_name(tmp_path, monkeypatch):
+def _stopped(rank, world, folder):
+    import tiershard as ts
+
+    model = ts.shard(TinyGPT(), "IIG", ts.Topology((2, 4)), wrap={Block})
+    _ended_into(f"{folder}/ended{rank}.json")
+    with open(f"{folder}/started{rank}", "w") as f:
+        f.write(str(time.time()))
+    if rank == 3:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    _raised_into(f"{folder}/raised{rank}.json", lambda: model(torch.randint(0, 37, (2, 8))))
+    return "not ended by the watchdog"
+
+
+def _raised_into(path: str, call) -> None:
+    """Run ``call``; a CollectiveError it raises (a peer ended by the watchdog closed the connections) is written to
+    ``path`` as the watchdog's end would write it."""
+    out = _outcome(call)
+    if out["error"] == "CollectiveError":
+        with open(path, "w") as f:
+            f.write(json.dumps({"message": out["message"], "time": time.time()}))
+
+
+def _ended(folder, rank) -> tuple[str, float]:
+    """How rank ``rank`` ended (the watchdog's message, or the CollectiveError it raised), and how long after it
+    entered the case."""
+    path = f"{folder}/ended{rank}.json"
+    if not os.path.exists(path):
+        path = f"{folder}/raised{rank}.json"
+    with open(path) as f:
+        ended = json.load(f)
+    with open(f"{folder}/started{rank}") as f:
+        return ended["message"], ended["time"] - float(f.read())
+
+
+def test_slow_is_waited_for_and_different_collectives_end_every_rank(tmp_path, monkeypatch):
     monkeypatch.setenv("TIERSHARD_COLLECTIVE_TIMEOUT", str(BOUND))
-    results = run_ranks(_skipped_collectives, 4, str(tmp_path), timeout=300)
+    with pytest.raises(AssertionError, match="exited without a result"):
+        run_ranks(_slow_and_skipped, 4, str(tmp_path), timeout=300, pg_timeout=PG_TIMEOUT)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert [r["bound"] for r in results] == [BOUND] * 4
-    saver = results[0]["save"]
-    assert saver["error"] == "CollectiveError", saver
-    assert (saver["op"], saver["tier"], saver["missing"]) == ("save", "world", (1, 2, 3)), saver
-    assert str(tmp_path / "ckpt") in saver["unit"]
-    assert "'param_gather'" in saver["message"] and "ts.save" in saver["message"]     # where the others were
+    # 1. waited for, past the bound; a notice from the lowest rank waiting for rank 0 in each group, with its line
+    for rank in range(4):
+        assert results[rank]["busy"]["error"] is None, results[rank]["busy"]
+    assert results[1]["busy"]["seconds"] > BOUND
+    notices = results[1]["busy_notices"]
+    assert notices and "rank 0 (busy in user code for" in notices[0] and "test_fail_fast.py" in notices[0], notices
+    # rank 3 waits for rank 2, which waits itself (and says so): nothing to say
+    assert not results[3]["busy_notices"], results[3]["busy_notices"]
+    # 2. up to the process group's timeout, then named as busy
     for rank in (1, 2, 3):
-        other = results[rank]["save"]
-        assert other["error"] == "CollectiveError", (rank, other)
-        assert (other["op"], other["unit"], other["tier"], other["missing"]) == \
-            ("param_gather", "<root>", "world", (0,)), (rank, other)
-        assert "'save'" in other["message"] and "ranks [0] did not arrive" in other["message"]
-    alone = results[0]["state_dict"]
-    assert alone["error"] == "CollectiveError", alone
-    assert (alone["op"], alone["unit"], alone["tier"], alone["ranks"], alone["missing"]) == \
-        ("state_dict", "<root>", "world", (0, 1, 2, 3), (1, 2, 3)), alone
-    assert "sent no report" in alone["message"]          # they waited in the user's own barrier
-    lone = results[0]["async_save"]
-    assert lone["error"] == "CollectiveError" and lone["op"] == "save" and lone["missing"] == (1, 2, 3), lone
-    for rank in (1, 2, 3):
-        assert results[rank]["async_save"]["error"] == "CollectiveError", results[rank]["async_save"]
-        assert results[rank]["async_save"]["seconds"] < 30 and lone["seconds"] < 30
         waited = results[rank]["backward"]
         assert waited["error"] == "CollectiveError", (rank, waited)
-        assert (waited["op"], waited["tier"], waited["missing"]) == ("grad_reduce", "world", (0,)), (rank, waited)
-        assert waited["seconds"] < 30, waited
-    # the bound holds (measured: about BOUND); 30 s is far below the default group's 30 minutes
-    assert all(r["save"]["seconds"] < 30 for r in results) and alone["seconds"] < 30
+        assert (waited["op"], waited["tier"], waited["missing"]) == ("grad_reduce", "world", [0]), (rank, waited)
+        assert "rank 0 (host" in waited["message"] and "alive, last seen busy in user code" in waited["message"]
+        assert waited["seconds"] > BOUND
+    # 3. every rank ended by the watchdog within the bound (and its report window), naming the other side
+    ended = sorted(r for r in range(4) if (tmp_path / f"ended{r}.json").exists())
+    assert ended, "no rank was ended by the watchdog"
+    message, seconds = _ended(tmp_path, 0)
+    assert "collective 'save'" in message and "ranks [1, 2, 3] did not arrive" in message, message
+    assert "'param_gather'" in message and "ts.save" in message, message
+    assert seconds < 4 * BOUND, seconds
+    for rank in (1, 2, 3):
+        message, seconds = _ended(tmp_path, rank)
+        assert "collective 'param_gather' of unit '<root>'" in message and "0" in message.split("did not arrive")[0]
+        assert "'save'" in message, message
+        assert seconds < 4 * BOUND, seconds
+    first = min(ended, key=lambda r: _ended(tmp_path, r)[1])
+    message, seconds = _ended(tmp_path, first)
+    assert "different collectives" in message and seconds > BOUND, message
+
+
+def test_a_stopped_rank_is_named_with_its_host_within_the_bound(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIERSHARD_COLLECTIVE_TIMEOUT", str(BOUND))
+    with pytest.raises(AssertionError, match="exited without a result"):
+        run_ranks(_stopped, 4, str(tmp_path), timeout=120)
+    ended = [r for r in range(3) if (tmp_path / f"ended{r}.json").exists()]
+    assert ended, "no rank was ended by the watchdog"
+    for rank in (0, 1, 2):
+        message, seconds = _ended(tmp_path, rank)
+        # the watchdog's verdict, or (raised when a peer it ended closed the connections) where it began
+        assert ("rank 3 (host " in message and "no heartbeat for" in message) or \
+            "where it began: rank 3" in message, message
+        assert seconds < 3 * BOUND, seconds
+    message, _ = _ended(tmp_path, ended[0])
+    assert "its interpreter stopped" in message and "last seen busy in user code" in message, message
+    assert not (tmp_path / "ended3.json").exists()
 
 
 # ---- the stream drops no failure ([Note: no failure is dropped]) --------------------------------------------------

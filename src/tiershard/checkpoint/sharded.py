@@ -63,6 +63,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
+from ..comm import liveness
 from ..comm.failure import CollectiveError, guard
 from ..topology import TierGroup
 from ..runtime.flat import copy_in_background
@@ -465,9 +466,10 @@ def _async_group(topology):
     group = getattr(topology, "_tiershard_async_save_group", None)
     if group is None:
         world = dist.get_world_size()
-        # bounded as the control group is: the report window comes on top ([Note: bounded collectives])
-        group = dist.new_group(list(range(world)), timeout=timedelta(seconds=topology.timeout -
-                                                                     topology.report_window), backend="gloo")
+        # bounded as the control group is ([Note: slow is not dead])
+        group = dist.new_group(list(range(world)), timeout=timedelta(seconds=topology.group_timeout),
+                               backend="gloo")
+        liveness.joined(group)
         topology._tiershard_async_save_group = group
     return group
 

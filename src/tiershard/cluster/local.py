@@ -18,6 +18,7 @@ import queue as queue_module
 import socket
 import time
 import traceback
+from datetime import timedelta
 
 import torch.multiprocessing as mp
 
@@ -42,7 +43,7 @@ def _context():
     return ctx
 
 
-def _worker(rank, world, port, fn, args, queue, environ=None):
+def _worker(rank, world, port, fn, args, queue, environ=None, pg_timeout=None):
     if environ is not None:
         os.environ.clear()
         os.environ.update(environ)
@@ -53,7 +54,8 @@ def _worker(rank, world, port, fn, args, queue, environ=None):
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        extra = {} if pg_timeout is None else {"timeout": timedelta(seconds=pg_timeout)}
+        dist.init_process_group("gloo", rank=rank, world_size=world, **extra)
         result = fn(rank, world, *args)
         # by value: a tensor put on the queue as itself is shared through a file descriptor that dies with this
         # process, which may exit before the caller reads it
@@ -67,13 +69,14 @@ def _worker(rank, world, port, fn, args, queue, environ=None):
             dist.destroy_process_group()
 
 
-def run_local(fn, world: int, *args, timeout: float = 600) -> list:
-    """``fn(rank, world, *args)`` on ``world`` processes; returns the results by rank, raises the first error."""
+def run_local(fn, world: int, *args, timeout: float = 600, pg_timeout: float | None = None) -> list:
+    """``fn(rank, world, *args)`` on ``world`` processes; returns the results by rank, raises the first error.
+    ``pg_timeout``: seconds of the process group's timeout (torch's default, 30 minutes, when None)."""
     ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue, environ)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue, environ, pg_timeout)) for r in range(world)]
     for p in procs:
         p.start()
     results, errors = {}, []
@@ -99,7 +102,7 @@ def run_local(fn, world: int, *args, timeout: float = 600) -> list:
                 errors.append(f"rank {rank}:\n{value}")
     finally:
         for p in procs:
-            p.join(timeout=5 if errors else 30)
+            p.join(timeout=3 if errors else 30)
             if p.is_alive():
                 p.kill()
     if errors:

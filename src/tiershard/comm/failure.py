@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from . import liveness
+
 if TYPE_CHECKING:
     from ..topology import TierGroup, Topology
 
@@ -102,13 +104,16 @@ class guard:
         self.op, self.group, self.topology, self.unit, self.seq = op, group, topology, unit, 0
 
     def __enter__(self) -> "guard":
-        if not self.seq:              # entered again (to wait for what it issued): the same collective
+        first = not self.seq          # else entered again (to wait for what it issued): the same collective
+        if first:
             key = id(self.group.pg)
             self.seq = _SEQ[key] = _SEQ.get(key, 0) + 1
             self.entered = time.monotonic()
+        liveness.enter(self, first)
         return self
 
     def __exit__(self, kind, err, tb) -> bool:
+        liveness.leave(self)
         cause = comm_failure(err) if isinstance(err, Exception) else None
         if cause is None:
             return False
@@ -152,6 +157,7 @@ def _exchange(rank: int, mine: dict, others: list[int], window: float,
     reports: dict[int, dict] = {}
     problem: list[str] = []
     late: list[str] = []
+    beats: list[str] = []
 
     def work() -> None:
         try:
@@ -175,6 +181,13 @@ def _exchange(rank: int, mine: dict, others: list[int], window: float,
                 time.sleep(0.05)
         except Exception as err:          # the store's host went away meanwhile: what was read stands
             late.append(_first_line(err))
+            return
+        try:
+            silent = [r for r in others if r not in reports]
+            if silent:
+                beats.extend(liveness.describe_ranks(store, silent))
+        except Exception:
+            pass
 
     thread = threading.Thread(target=work, name="tiershard-failure-report", daemon=True)
     thread.start()
@@ -183,6 +196,8 @@ def _exchange(rank: int, mine: dict, others: list[int], window: float,
         return {}, "the rendezvous store did not answer"
     if late:
         mine["late"] = late[0]
+    if beats:
+        mine["beats"] = beats
     return dict(reports), (problem[0] if problem else None)
 
 
@@ -273,6 +288,7 @@ def describe(err: BaseException, op: str, unit: str, group: "TierGroup", topolog
             if "late" in mine:
                 why += f"; the rendezvous store stopped answering meanwhile ({mine['late']})"
             lines.append(f"ranks {silent} sent no report within {window:g} s: {why}")
+            lines += mine.pop("beats", [])
     if missing:
         head += f": ranks {list(missing)} did not arrive"
         mine["missing"] = list(missing)
@@ -284,6 +300,7 @@ def describe(err: BaseException, op: str, unit: str, group: "TierGroup", topolog
         head += ": every member arrived, but the connection between them failed"
     lines.append(f"cause: {cause}")
     lines.append(HINT)
-    lines.append(f"Collectives wait at most {topology.timeout:g} s (ts.Topology(..., timeout=...) or "
-                 f"TIERSHARD_COLLECTIVE_TIMEOUT): raise it if a rank legitimately works alone longer than that.")
+    lines.append(f"A rank whose heartbeat stops for {topology.timeout:g} s is taken for dead (ts.Topology(..., "
+                 f"timeout=...) or TIERSHARD_COLLECTIVE_TIMEOUT); a live rank is waited for up to the process "
+                 f"group's timeout ({liveness.process_group_timeout():g} s, init_process_group(timeout=...)).")
     return CollectiveError(head + ".\n  " + "\n  ".join(lines), op, unit, tier, ranks, missing, rank)

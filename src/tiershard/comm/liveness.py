@@ -1,0 +1,340 @@
+"""Who is alive and what it is doing: a heartbeat beside the collectives, and the watch that tells slow from dead.
+
+[Note: slow is not dead] A rank that is alive but busy outside the engine's collectives (rank-0 evaluation, a slow
+disk, a first ``torch.compile``) must be waited for; a rank that died or whose interpreter stopped must be named
+soon. A collective cannot tell the two apart, and on gloo a collective waited on with a timeout closes its
+connections, so the engine's process groups carry the process group's own timeout (``init_process_group(timeout=)``,
+30 minutes by default) and the decision is made here, beside them:
+
+- every rank's heartbeat thread writes, once per beat, under ``tiershard/alive/RANK`` in the default c10d store
+  (the one torchrun already runs): a counter, its host and pid, the collectives it waits in, how many it has issued
+  per group, and, when it waits in none, how long it has been in user code and on which line;
+- a rank that has waited in a collective for more than a second reads its peers' beats. A peer that has issued the
+  collective already is fine. A peer behind it whose counter moves is busy: the lowest waiting member prints
+  "waiting for rank R (busy in user code for N s, at FILE:LINE)" every ``notice_every(timeout)`` seconds. A peer
+  whose counter has not moved for the topology's ``timeout`` minus the report window is dead or hung (SIGSTOP, a
+  C call holding the interpreter), one whose process exited is gone, and two ranks that each wait, for longer than
+  ``timeout``, in a collective the other has not reached run different collectives (``if rank == 0: ts.save``).
+  A Python thread beats, so a main thread looping in Python counts as busy, with its line shown.
+
+Those three verdicts end the rank: the watch writes the failure report as a failed collective would (comm/failure.py),
+prints the same ``CollectiveError`` message and ends the process with ``EXIT_CODE``, because nothing wakes a
+thread blocked in a gloo collective (NCCL's watchdog ends the process the same way). Ending loses nothing: a
+checkpoint commits atomically, so the previous one stands. Staleness is judged by the counter on this rank's own
+clock, so the hosts' clocks need not agree.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from ..topology import TierGroup, Topology
+    from .failure import guard
+
+EXIT_CODE = 1
+_KEY = "tiershard/alive/{}"
+_OWN_CODE = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+             os.path.dirname(os.path.abspath(dist.__file__)).rsplit(os.sep, 1)[0], os.path.dirname(threading.__file__))
+
+
+def notice_every(timeout: float) -> float:
+    """Seconds between "waiting for rank R" lines (and before the first)."""
+    return min(30.0, timeout)
+
+
+def beat_period(timeout: float) -> float:
+    return min(1.0, timeout / 8)
+
+
+@dataclass
+class Wait:
+    """One collective this rank waits in (between a guard's enter and exit)."""
+    group: str
+    ranks: tuple[int, ...]
+    seq: int
+    op: str
+    unit: str
+    started: float                      # monotonic
+    topology: "Topology"
+    guard: "guard"
+    noticed: float = 0.0                # monotonic time of the last notice
+    behind_since: dict[int, float] = field(default_factory=dict)
+
+
+_ACTIVE: dict[int, Wait] = {}           # id(guard) -> its wait
+_ISSUED: dict[str, int] = {}            # group name -> engine collectives this rank issued on it
+_NAMES: dict[int, str] = {}             # id(process group) -> its name
+_MEMBER: set[str] = set()               # names of the groups this rank belongs to
+_STATE = {"idle_since": time.monotonic(), "last": None, "ending": False}
+_LOCK = threading.Lock()
+
+
+def group_name(pg) -> str:
+    key = id(pg)
+    name = _NAMES.get(key)
+    if name is None:
+        try:
+            name = str(dist.distributed_c10d._get_process_group_name(pg))
+        except Exception:     # an older torch, or a group torch no longer knows
+            name = str(key)
+        _NAMES[key] = name
+    return name
+
+
+def joined(pg) -> None:
+    """Record that this rank is a member of ``pg`` (its peers' waits in it may be waits for this rank)."""
+    if pg is not None:
+        _MEMBER.add(group_name(pg))
+
+
+def enter(g: "guard", first: bool) -> None:
+    """``g`` begins waiting (``first``: it is a new collective, so count it as issued)."""
+    name = group_name(g.group.pg)
+    if first:
+        _ISSUED[name] = g.seq
+    with _LOCK:
+        _ACTIVE[id(g)] = Wait(name, tuple(g.group.ranks), g.seq, g.op, g.unit or _unit(), time.monotonic(),
+                              g.topology, g)
+
+
+def leave(g: "guard") -> None:
+    with _LOCK:
+        wait = _ACTIVE.pop(id(g), None)
+        if wait is not None:
+            _STATE["last"] = f"{wait.op!r} of unit {wait.unit!r}"
+        if not _ACTIVE:
+            _STATE["idle_since"] = time.monotonic()
+
+
+def _unit() -> str:
+    from .failure import _LOCAL
+    return getattr(_LOCAL, "unit", None) or "(no unit)"
+
+
+def process_group_timeout() -> float:
+    """Seconds of the default process group's timeout: how long a live rank is waited for."""
+    try:
+        import torch
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+        return backend.options._timeout.total_seconds()
+    except Exception:
+        try:
+            import torch
+            backend = dist.group.WORLD._get_backend(torch.device("cuda"))
+            return backend.options._timeout.total_seconds()
+        except Exception:
+            return dist.default_pg_timeout.total_seconds()
+
+
+# ---- the heartbeat -----------------------------------------------------------------------------------------------
+
+class _Heart:
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self.period = 1.0
+        self.count = 0
+        self.linger = 1.0
+        self.rank = 0
+        self.host = socket.gethostname()
+        self.main = threading.main_thread().ident
+        self.seen: dict[int, tuple[int, float]] = {}       # rank -> (its counter, monotonic time it last moved)
+        self.end: Callable[[str], None] = end_process
+
+    def start(self, topology: "Topology") -> None:
+        self.period = min(self.period, beat_period(topology.timeout))
+        self.linger = topology.report_window + 2 * self.period
+        self.rank = dist.get_rank()
+        if self.thread is None or not self.thread.is_alive():
+            _STATE["idle_since"] = time.monotonic()      # not the import's time (forked ranks import early)
+            self.thread = threading.Thread(target=self.run, name="tiershard-heartbeat", daemon=True)
+            self.thread.start()
+            atexit.register(self.exited)
+
+    def beat(self, store, **extra) -> None:
+        with _LOCK:
+            waits = [[w.group, w.seq, w.op, w.unit, round(time.monotonic() - w.started, 1)]
+                     for w in _ACTIVE.values()]
+            idle = time.monotonic() - _STATE["idle_since"]
+        self.count += 1
+        payload = {"n": self.count, "host": self.host, "pid": os.getpid(), "waits": waits, "issued": dict(_ISSUED),
+                   "last": _STATE["last"], **extra}
+        if not waits:
+            payload["idle"] = round(idle, 1)
+            payload["at"] = self.where()
+        store.set(_KEY.format(self.rank), json.dumps(payload))
+
+    def where(self) -> str | None:
+        """The innermost line of the main thread outside tiershard, torch and the standard library."""
+        frame = sys._current_frames().get(self.main)
+        while frame is not None:
+            path = frame.f_code.co_filename
+            if not path.startswith(_OWN_CODE):
+                return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
+            frame = frame.f_back
+        return None
+
+    def run(self) -> None:
+        while dist.is_initialized() and not _STATE["ending"]:
+            try:
+                store = dist.distributed_c10d._get_default_store()
+                self.beat(store)
+                self.watch(store)
+            except Exception:         # the store's host went away or the group was destroyed: gloo reports it
+                if not dist.is_initialized():
+                    return
+            time.sleep(self.period)
+
+    def exited(self) -> None:
+        try:
+            if dist.is_initialized() and not _STATE["ending"]:
+                self.beat(dist.distributed_c10d._get_default_store(), exited=True)
+        except Exception:
+            pass
+
+    # ---- the watch ----------------------------------------------------------------------------------------------
+    def read(self, store, ranks: list[int]) -> dict[int, dict]:
+        keys = {r: _KEY.format(r) for r in ranks}
+        there = [r for r in ranks if store.check([keys[r]])]
+        values = store.multi_get([keys[r] for r in there]) if there else []
+        beats = {r: json.loads(bytes(v)) for r, v in zip(there, values)}
+        now = time.monotonic()
+        for r, b in beats.items():
+            if self.seen.get(r, (None,))[0] != b["n"]:
+                self.seen[r] = (b["n"], now)
+        return beats
+
+    def watch(self, store) -> None:
+        now = time.monotonic()
+        with _LOCK:
+            waits = [w for w in _ACTIVE.values() if now - w.started > 1.0]
+        for wait in waits:
+            peers = [r for r in wait.ranks if r != self.rank]
+            beats = self.read(store, peers)
+            verdict, behind = self.judge(wait, peers, beats, time.monotonic())
+            if verdict:
+                self.finish(wait, verdict)
+                return
+            if behind:
+                self.notice(wait, peers, beats, behind)
+
+    def judge(self, wait: Wait, peers: list[int], beats: dict[int, dict],
+              now: float) -> tuple[str | None, dict[int, str]]:
+        """(why this rank must end, or None; what each peer it waits for is doing)."""
+        silent_after = wait.topology.timeout - wait.topology.report_window
+        waited = now - wait.started
+        behind: dict[int, str] = {}
+        for r in peers:
+            b = beats.get(r)
+            since = max(self.seen.get(r, (None, wait.started))[1], wait.started)
+            if b is None:
+                if now - since > silent_after:
+                    return f"rank {r} never sent a heartbeat in {now - since:.0f} s: it did not start, or died", {}
+                continue
+            if b.get("exited"):
+                return (f"rank {r} ({_whose(b)}) has exited while this rank waits for it; its last collective was "
+                        f"{b.get('last') or 'none'}"), {}
+            if now - since > silent_after:
+                return (f"rank {r} ({_whose(b)}) sent no heartbeat for {now - since:.0f} s: dead, or its interpreter "
+                        f"stopped (SIGSTOP, a call holding the GIL); last seen {_doing(b)}"), {}
+            if b.get("issued", {}).get(wait.group, 0) >= wait.seq:
+                continue                                           # it is in this collective, or past it
+            stuck = [w for w in b.get("waits", ()) if w[0] != wait.group and w[0] in _MEMBER
+                     and _ISSUED.get(w[0], 0) < w[1] and w[4] > wait.topology.report_window]
+            if stuck and waited > wait.topology.timeout:
+                g, seq, op, unit, secs = stuck[0]
+                return (f"rank {r} ({_whose(b)}) waits in {op!r} of unit {unit!r} (collective #{seq} of its group) "
+                        f"for {secs:.0f} s, which this rank has not reached, while this rank waits in this one, which "
+                        f"rank {r} has not reached: the ranks run different collectives"), {}
+            if now - since > 3 * self.period + 1:
+                behind[r] = f"no heartbeat for {now - since:.0f} s"
+            elif not b.get("waits"):                         # one waiting elsewhere is waited for by its own
+                behind[r] = _doing(b)
+        return None, behind
+
+    def notice(self, wait: Wait, peers: list[int], beats: dict[int, dict], behind: dict[int, str]) -> None:
+        now = time.monotonic()
+        every = notice_every(wait.topology.timeout)
+        if now - wait.started < every or now - wait.noticed < every:
+            return
+        waiting_lower = [r for r in peers if r < self.rank and r in beats and
+                         any(w[0] == wait.group and w[1] == wait.seq for w in beats[r].get("waits", ()))]
+        wait.noticed = now
+        if waiting_lower:               # the lowest waiting member speaks for the group
+            return
+        pg = process_group_timeout()
+        whom = "; ".join(f"rank {r} ({what})" for r, what in sorted(behind.items()))
+        alive = all(not what.startswith("no heartbeat") for what in behind.values())
+        then = (f"alive, so waited for up to the process group's timeout ({pg:.0f} s)" if alive else
+                f"taken for dead after {wait.topology.timeout:g} s without one")
+        print(f"tiershard: rank {self.rank} has waited {now - wait.started:.0f} s in {wait.op!r} of unit "
+              f"{wait.unit!r} (group ranks {list(wait.ranks)}) for {whom}; {then}", file=sys.stderr, flush=True)
+
+    def finish(self, wait: Wait, verdict: str) -> None:
+        from .failure import describe
+        _STATE["ending"] = True
+        since = time.time() - (time.monotonic() - wait.started)
+        error = describe(RuntimeError(f"tiershard watchdog: {verdict}"), wait.op, wait.unit, wait.guard.group,
+                         wait.topology, wait.seq, since)
+        self.end(f"{error}\n  This rank ends here: nothing wakes a thread blocked in the collective "
+                 f"(exit code {EXIT_CODE}).")
+
+
+def _whose(beat: dict) -> str:
+    return f"host {beat.get('host')}, pid {beat.get('pid')}"
+
+
+def _doing(beat: dict) -> str:
+    waits = beat.get("waits") or []
+    if waits:
+        g, seq, op, unit, secs = waits[0]
+        return f"in {op!r} of unit {unit!r} for {secs:.0f} s"
+    at = f", at {beat['at']}" if beat.get("at") else ""
+    last = f"; its last collective {beat['last']}" if beat.get("last") else ""
+    return f"busy in user code for {beat.get('idle', 0):.0f} s{at}{last}"
+
+
+def end_process(message: str) -> None:
+    """Print the verdict and end the process (the main thread may be blocked in gloo, which nothing wakes)."""
+    from .failure import _linger
+    print(message, file=sys.stderr, flush=True)
+    _linger()                             # rank 0 usually hosts the store: until the others have read the reports
+    # and every rank a little longer with its connections open, so that peers one beat behind reach their own
+    # verdict rather than a closed connection
+    time.sleep(HEART.linger)
+    os._exit(EXIT_CODE)
+
+
+HEART = _Heart()
+
+
+def start(topology: "Topology") -> None:
+    """Begin beating (once per process; a shorter ``timeout`` beats faster)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        HEART.start(topology)
+
+
+def describe_ranks(store, ranks: list[int]) -> list[str]:
+    """One line per rank from its last heartbeat: who it is and what it was doing."""
+    lines = []
+    beats = HEART.read(store, ranks)
+    now = time.monotonic()
+    for r in ranks:
+        b = beats.get(r)
+        if b is None:
+            lines.append(f"rank {r}: no heartbeat ever")
+            continue
+        quiet = now - HEART.seen.get(r, (None, now))[1]
+        state = "exited" if b.get("exited") else (f"no heartbeat for {quiet:.0f} s" if quiet > 2 * HEART.period
+                                                  else "alive")
+        lines.append(f"rank {r} ({_whose(b)}): {state}, last seen {_doing(b)}")
+    return lines
