@@ -1,9 +1,10 @@
 """The fault matrix on the emulated cluster (2 nodes of 2 ranks; root and network namespaces only): one rank killed
 with SIGKILL in each phase of a training step (forward, backward, the optimizer step, an asynchronous save's
 write, the commit's renames) under IIG, zero++ and NIG, and the node-to-switch link of node 1 cut for 20 s in the
-middle of a step. Every survivor must end within the bound naming what it waited for (a killed rank: the ranks
-that did not arrive; the cut: completes once the link is back, as TCP retransmits), and a commit killed between its
-renames must leave the previous checkpoint readable.
+middle of a step; rank 3 stopped (SIGSTOP) in step 2, and rank 3 busy in user code for 1.25 times the bound. Every
+survivor must end within the bound naming what it waited for (a killed or stopped rank: the ranks that did not
+arrive, or the silent one; the cut and the busy rank: completes, as TCP retransmits and the heartbeat says alive),
+and a commit killed between its renames must leave the previous checkpoint readable.
 
 ``make test`` (as root) runs two cases side by side; the whole matrix, as the table in docs/failures.md::
 
@@ -26,6 +27,7 @@ import pytest
 
 HERE = Path(__file__).resolve()
 PHASES = ["forward", "backward", "optimizer", "save_write", "commit"]
+WAITS = ["stopped", "busy"]       # rank 3 stopped (SIGSTOP) in step 2, or busy in user code for 1.25 x the bound
 PLANS = ["IIG", "zero++", "NIG"]
 CUT_SECONDS = 20.0
 
@@ -101,8 +103,9 @@ def job(scenario: str, folder: str) -> None:
     model = ts.shard(TinyGPT(), plan, ts.Topology.from_env(), wrap={Block})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     armed = [False]
-    if phase != "cut" and rank == victim(phase):
+    if phase not in ("cut", *WAITS) and rank == victim(phase):
         _arm(phase, model, opt, armed)
+    bound = float(os.environ["TIERSHARD_COLLECTIVE_TIMEOUT"])
     tokens = torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(rank))
     start, steps = time.time(), []
     try:
@@ -111,6 +114,12 @@ def job(scenario: str, folder: str) -> None:
             if phase == "cut" and step == 1:
                 print(f"STEP2 {time.time()!r}", flush=True)
                 time.sleep(1.0)                 # the runner cuts the link now
+            if phase == "stopped" and step == 1 and rank == victim(phase):
+                subprocess.Popen(["sh", "-c", f"sleep {bound + 20:.0f}; kill -9 {os.getpid()}"])
+                print(f"KILLED {time.time()!r} stopped", flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            if phase == "busy" and step == 1 and rank == victim(phase):
+                time.sleep(1.25 * bound)        # alive, in user code: to be waited for
             loss_fn(model, tokens, 1).backward()
             opt.step()
             opt.zero_grad()
@@ -195,11 +204,17 @@ def _row(scenario: str, run: dict, timeout: float) -> list[str]:
     for rank, r in sorted(run["ranks"].items()):
         res = r["result"]
         if res is None:
-            out.append(f"rank {rank}: killed" if run["killed"] else f"rank {rank}: no result, code {r['code']}")
+            ended = [line for line in r["log"].splitlines() if line.startswith("tiershard: collective")]
+            if "This rank ends here" in r["log"] and ended:
+                out.append(f"rank {rank}: ended by the watchdog at {r['ended'] - t0:.1f} s: {ended[0][:220]}")
+            else:
+                out.append(f"rank {rank}: killed" if run["killed"] else f"rank {rank}: no result, code {r['code']}")
             continue
         when = f"{res['failed_at'] - t0:.1f} s" if t0 else "-"
         if res["error"] is None:
-            out.append(f"rank {rank}: completed ({when})")
+            waits = [line for line in r["log"].splitlines() if "has waited" in line]
+            out.append(f"rank {rank}: completed ({when}; step 2 took {res['steps'][1] - res['steps'][0]:.1f} s)"
+                       + (f"; {len(waits)} notices, last: {waits[-1][:200]}" if waits else ""))
         else:
             head = res["message"].splitlines()[0]
             out.append(f"rank {rank}: {res['error']} at {when}: {head[:220]}")
@@ -284,7 +299,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="the fault matrix on a 2x2 emulated cluster")
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--plans", default=",".join(PLANS))
-    parser.add_argument("--phases", default=",".join(PHASES + ["cut"]))
+    parser.add_argument("--phases", default=",".join(PHASES + ["cut"] + WAITS))
     parser.add_argument("--json", help="also write every run here")
     parser.add_argument("--restarts", action="store_true",
                         help="instead: tiershard train --max-restarts 1 after a kill in each phase, per plan")
