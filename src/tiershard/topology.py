@@ -35,8 +35,6 @@ from typing import Sequence
 
 import torch.distributed as dist
 
-from .comm import liveness
-
 DEFAULT_NAMES = {1: ("world",), 2: ("node", "world"), 3: ("pair", "node", "world")}
 TIMEOUT_ENV = "TIERSHARD_COLLECTIVE_TIMEOUT"
 DEFAULT_TIMEOUT = 60.0      # seconds: how long a rank waits for the others in one of the engine's collectives
@@ -74,6 +72,18 @@ class TierGroup:
     @property
     def backend(self) -> str:
         return dist.get_backend(self.pg) if self.pg is not None else "local"
+
+
+def process_group_timeout() -> float:
+    """Seconds of the default process group's timeout: how long a live rank is waited for."""
+    import torch
+
+    for device in ("cpu", "cuda"):
+        try:
+            return dist.group.WORLD._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except Exception:     # no backend for that device, or a torch without the option
+            continue
+    return dist.default_pg_timeout.total_seconds()
 
 
 def collective_timeout(timeout: float | None = None) -> float:
@@ -436,11 +446,11 @@ class Topology:
     def group_timeout(self) -> float:
         """Seconds each operation of the engine's groups may take: the default process group's timeout (how long
         a live rank is waited for), at least ``timeout``, less the report window that comes on top."""
-        return max(liveness.process_group_timeout(), self.timeout) - self.report_window
+        return max(process_group_timeout(), self.timeout) - self.report_window
 
     @property
     def control_group(self) -> TierGroup:
-        """Every rank, on a process group of its own bounded by ``timeout``: for the main thread's collectives
+        """Every rank, on a process group of its own bounded as the others are: for the main thread's collectives
         (checkpoints), which must never interleave with the stream's on the engine's world group."""
         if not self._initialised:
             raise TopologyError("the topology has no process groups yet: ts.shard (or init_process_groups) makes them")
@@ -499,15 +509,12 @@ class Topology:
                             made[ranks] = dist.new_group(list(ranks), timeout=bound)
                     pg = made[ranks]
                     if me in ranks:
-                        liveness.joined(pg)
                         self._groups[(inner, outer, me)] = self._make_group(me, inner, outer, pg)
         everyone = tuple(range(world))
         self._control = TierGroup(everyone, everyone, dist.new_group(list(everyone), timeout=bound)
                                   if world > 1 else None)
-        liveness.joined(self._control.pg)
         self._mesh = self._make_mesh(device_type)
         self._initialised = True
-        liveness.start(self)
 
     def node_level(self) -> int | None:
         """The level whose groups must each sit on one host: the tier named ``node``, else the tier below world

@@ -63,7 +63,6 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from ..comm import liveness
 from ..comm.failure import CollectiveError, guard
 from ..topology import TierGroup
 from ..runtime.flat import copy_in_background
@@ -469,7 +468,6 @@ def _async_group(topology):
         # bounded as the control group is ([Note: slow is not dead])
         group = dist.new_group(list(range(world)), timeout=timedelta(seconds=topology.group_timeout),
                                backend="gloo")
-        liveness.joined(group)
         topology._tiershard_async_save_group = group
     return group
 

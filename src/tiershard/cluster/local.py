@@ -76,7 +76,8 @@ def run_local(fn, world: int, *args, timeout: float = 600, pg_timeout: float | N
     queue = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue, environ, pg_timeout)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue, environ, pg_timeout))
+             for r in range(world)]
     for p in procs:
         p.start()
     results, errors = {}, []

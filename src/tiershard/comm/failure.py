@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from ..topology import process_group_timeout
 from . import liveness
 
 if TYPE_CHECKING:
@@ -109,15 +110,18 @@ class guard:
             key = id(self.group.pg)
             self.seq = _SEQ[key] = _SEQ.get(key, 0) + 1
             self.entered = time.monotonic()
-        liveness.enter(self, first)
+        liveness.enter(self, first, self.unit_name())
         return self
+
+    def unit_name(self) -> str:
+        return self.unit or getattr(_LOCAL, "unit", None) or "(no unit)"
 
     def __exit__(self, kind, err, tb) -> bool:
         liveness.leave(self)
         cause = comm_failure(err) if isinstance(err, Exception) else None
         if cause is None:
             return False
-        unit = self.unit or getattr(_LOCAL, "unit", None) or "(no unit)"
+        unit = self.unit_name()
         since = time.time() - (time.monotonic() - self.entered)
         raise describe(cause, self.op, unit, self.group, self.topology, self.seq, since) from err
 
@@ -142,10 +146,7 @@ def _tier(group: "TierGroup", topology: "Topology") -> str:
 
 
 def _group_name(group: "TierGroup") -> str:
-    try:
-        return str(dist.distributed_c10d._get_process_group_name(group.pg))
-    except Exception:     # an older torch, or a group torch no longer knows
-        return ",".join(map(str, group.ranks))
+    return liveness.group_name(group.pg)
 
 
 def _exchange(rank: int, mine: dict, others: list[int], window: float,
@@ -302,5 +303,9 @@ def describe(err: BaseException, op: str, unit: str, group: "TierGroup", topolog
     lines.append(HINT)
     lines.append(f"A rank whose heartbeat stops for {topology.timeout:g} s is taken for dead (ts.Topology(..., "
                  f"timeout=...) or TIERSHARD_COLLECTIVE_TIMEOUT); a live rank is waited for up to the process "
-                 f"group's timeout ({liveness.process_group_timeout():g} s, init_process_group(timeout=...)).")
+                 f"group's timeout ({process_group_timeout():g} s, init_process_group(timeout=...)).")
     return CollectiveError(head + ".\n  " + "\n  ".join(lines), op, unit, tier, ranks, missing, rank)
+
+
+liveness.HEART.describe = describe
+liveness.HEART.linger_reports = _linger

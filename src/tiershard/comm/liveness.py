@@ -32,14 +32,15 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch.distributed as dist
 
+from ..topology import process_group_timeout
+
 if TYPE_CHECKING:
-    from ..topology import TierGroup, Topology
-    from .failure import guard
+    from ..topology import Topology
 
 EXIT_CODE = 1
 _KEY = "tiershard/alive/{}"
@@ -66,15 +67,13 @@ class Wait:
     unit: str
     started: float                      # monotonic
     topology: "Topology"
-    guard: "guard"
+    guard: Any                          # the failure.guard it waits in
     noticed: float = 0.0                # monotonic time of the last notice
-    behind_since: dict[int, float] = field(default_factory=dict)
 
 
 _ACTIVE: dict[int, Wait] = {}           # id(guard) -> its wait
 _ISSUED: dict[str, int] = {}            # group name -> engine collectives this rank issued on it
 _NAMES: dict[int, str] = {}             # id(process group) -> its name
-_MEMBER: set[str] = set()               # names of the groups this rank belongs to
 _STATE = {"idle_since": time.monotonic(), "last": None, "ending": False}
 _LOCK = threading.Lock()
 
@@ -85,55 +84,30 @@ def group_name(pg) -> str:
     if name is None:
         try:
             name = str(dist.distributed_c10d._get_process_group_name(pg))
-        except Exception:     # an older torch, or a group torch no longer knows
-            name = str(key)
+        except Exception:     # an older torch: the ranks, the same on every member
+            name = ",".join(map(str, dist.get_process_group_ranks(pg)))
         _NAMES[key] = name
     return name
 
 
-def joined(pg) -> None:
-    """Record that this rank is a member of ``pg`` (its peers' waits in it may be waits for this rank)."""
-    if pg is not None:
-        _MEMBER.add(group_name(pg))
-
-
-def enter(g: "guard", first: bool) -> None:
-    """``g`` begins waiting (``first``: it is a new collective, so count it as issued)."""
+def enter(g: Any, first: bool, unit: str) -> None:
+    """``g`` begins waiting in ``unit`` (``first``: it is a new collective, so count it as issued)."""
     name = group_name(g.group.pg)
     if first:
         _ISSUED[name] = g.seq
+        if not HEART.running or g.topology.timeout < HEART.shortest:
+            HEART.start(g.topology)
     with _LOCK:
-        _ACTIVE[id(g)] = Wait(name, tuple(g.group.ranks), g.seq, g.op, g.unit or _unit(), time.monotonic(),
-                              g.topology, g)
+        _ACTIVE[id(g)] = Wait(name, tuple(g.group.ranks), g.seq, g.op, unit, time.monotonic(), g.topology, g)
 
 
-def leave(g: "guard") -> None:
+def leave(g: Any) -> None:
     with _LOCK:
         wait = _ACTIVE.pop(id(g), None)
         if wait is not None:
             _STATE["last"] = f"{wait.op!r} of unit {wait.unit!r}"
         if not _ACTIVE:
             _STATE["idle_since"] = time.monotonic()
-
-
-def _unit() -> str:
-    from .failure import _LOCAL
-    return getattr(_LOCAL, "unit", None) or "(no unit)"
-
-
-def process_group_timeout() -> float:
-    """Seconds of the default process group's timeout: how long a live rank is waited for."""
-    try:
-        import torch
-        backend = dist.group.WORLD._get_backend(torch.device("cpu"))
-        return backend.options._timeout.total_seconds()
-    except Exception:
-        try:
-            import torch
-            backend = dist.group.WORLD._get_backend(torch.device("cuda"))
-            return backend.options._timeout.total_seconds()
-        except Exception:
-            return dist.default_pg_timeout.total_seconds()
 
 
 # ---- the heartbeat -----------------------------------------------------------------------------------------------
@@ -144,19 +118,30 @@ class _Heart:
         self.period = 1.0
         self.count = 0
         self.linger = 1.0
+        self.running = False
+        self.shortest = float("inf")            # the shortest bound of the topologies it serves
         self.rank = 0
         self.host = socket.gethostname()
         self.main = threading.main_thread().ident
         self.seen: dict[int, tuple[int, float]] = {}       # rank -> (its counter, monotonic time it last moved)
         self.end: Callable[[str], None] = end_process
+        # comm/failure.py sets these (it imports this module, not the other way round): the CollectiveError of a
+        # verdict, and its stay at exit while the other ranks read the reports
+        self.describe: Callable[..., BaseException] | None = None
+        self.linger_reports: Callable[[], None] = lambda: None
 
     def start(self, topology: "Topology") -> None:
+        """Begin beating (once per process, from the first collective; a shorter ``timeout`` beats faster)."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        self.shortest = min(self.shortest, topology.timeout)
         self.period = min(self.period, beat_period(topology.timeout))
         self.linger = topology.report_window + 2 * self.period
         self.rank = dist.get_rank()
         if self.thread is None or not self.thread.is_alive():
             _STATE["idle_since"] = time.monotonic()      # not the import's time (forked ranks import early)
             self.thread = threading.Thread(target=self.run, name="tiershard-heartbeat", daemon=True)
+            self.running = True
             self.thread.start()
             atexit.register(self.exited)
 
@@ -184,6 +169,12 @@ class _Heart:
         return None
 
     def run(self) -> None:
+        try:
+            self.beat_until_destroyed()
+        finally:
+            self.running = False
+
+    def beat_until_destroyed(self) -> None:
         while dist.is_initialized() and not _STATE["ending"]:
             try:
                 store = dist.distributed_c10d._get_default_store()
@@ -248,7 +239,7 @@ class _Heart:
                         f"stopped (SIGSTOP, a call holding the GIL); last seen {_doing(b)}"), {}
             if b.get("issued", {}).get(wait.group, 0) >= wait.seq:
                 continue                                           # it is in this collective, or past it
-            stuck = [w for w in b.get("waits", ()) if w[0] != wait.group and w[0] in _MEMBER
+            stuck = [w for w in b.get("waits", ()) if w[0] != wait.group and w[0] in _member_groups()
                      and _ISSUED.get(w[0], 0) < w[1] and w[4] > wait.topology.report_window]
             if stuck and waited > wait.topology.timeout:
                 g, seq, op, unit, secs = stuck[0]
@@ -280,13 +271,17 @@ class _Heart:
               f"{wait.unit!r} (group ranks {list(wait.ranks)}) for {whom}; {then}", file=sys.stderr, flush=True)
 
     def finish(self, wait: Wait, verdict: str) -> None:
-        from .failure import describe
         _STATE["ending"] = True
         since = time.time() - (time.monotonic() - wait.started)
-        error = describe(RuntimeError(f"tiershard watchdog: {verdict}"), wait.op, wait.unit, wait.guard.group,
+        error = self.describe(RuntimeError(f"tiershard watchdog: {verdict}"), wait.op, wait.unit, wait.guard.group,
                          wait.topology, wait.seq, since)
         self.end(f"{error}\n  This rank ends here: nothing wakes a thread blocked in the collective "
                  f"(exit code {EXIT_CODE}).")
+
+
+def _member_groups() -> set[str]:
+    """Names of the groups this rank belongs to (torch registers a group only on its members)."""
+    return set(dist.distributed_c10d._world.pg_names.values())
 
 
 def _whose(beat: dict) -> str:
@@ -305,9 +300,8 @@ def _doing(beat: dict) -> str:
 
 def end_process(message: str) -> None:
     """Print the verdict and end the process (the main thread may be blocked in gloo, which nothing wakes)."""
-    from .failure import _linger
     print(message, file=sys.stderr, flush=True)
-    _linger()                             # rank 0 usually hosts the store: until the others have read the reports
+    HEART.linger_reports()                # rank 0 usually hosts the store: until the others have read the reports
     # and every rank a little longer with its connections open, so that peers one beat behind reach their own
     # verdict rather than a closed connection
     time.sleep(HEART.linger)
@@ -315,12 +309,6 @@ def end_process(message: str) -> None:
 
 
 HEART = _Heart()
-
-
-def start(topology: "Topology") -> None:
-    """Begin beating (once per process; a shorter ``timeout`` beats faster)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        HEART.start(topology)
 
 
 def describe_ranks(store, ranks: list[int]) -> list[str]:

@@ -17,6 +17,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..comm import collectives as C
+from ..comm import liveness
 from ..comm.failure import unit_scope
 from ..plan import Plan
 from ..topology import Topology, TopologyError
@@ -99,6 +100,7 @@ def shard(model: nn.Module, plan: Plan | str | None = None, topology: Topology |
         if not dtype.is_floating_point:
             raise ValueError(f"{what}={dtype} must be a floating dtype such as torch.bfloat16")
     topology.init_process_groups(device.type)
+    liveness.HEART.start(topology)        # beating from the model's creation ([Note: slow is not dead])
     _check_same_everywhere(params)
     tp = _tp_specs(params, topology, meta)
     if not meta:
