@@ -175,11 +175,12 @@ class _Heart:
             self.running = False
 
     def beat_until_destroyed(self) -> None:
-        while dist.is_initialized() and not _STATE["ending"]:
+        while dist.is_initialized():
             try:
                 store = dist.distributed_c10d._get_default_store()
-                self.beat(store)
-                self.watch(store)
+                self.beat(store)      # also while ending: the peers must not take a lingering rank for dead
+                if not _STATE["ending"]:
+                    self.watch(store)
             except Exception:         # the store's host went away or the group was destroyed: gloo reports it
                 if not dist.is_initialized():
                     return
@@ -271,12 +272,17 @@ class _Heart:
               f"{wait.unit!r} (group ranks {list(wait.ranks)}) for {whom}; {then}", file=sys.stderr, flush=True)
 
     def finish(self, wait: Wait, verdict: str) -> None:
+        """End this rank on a thread of its own, so that the heartbeat goes on while the reports are exchanged
+        and the rank lingers (its peers must not take it for dead meanwhile)."""
         _STATE["ending"] = True
         since = time.time() - (time.monotonic() - wait.started)
-        error = self.describe(RuntimeError(f"tiershard watchdog: {verdict}"), wait.op, wait.unit, wait.guard.group,
-                         wait.topology, wait.seq, since)
-        self.end(f"{error}\n  This rank ends here: nothing wakes a thread blocked in the collective "
-                 f"(exit code {EXIT_CODE}).")
+
+        def end() -> None:
+            error = self.describe(RuntimeError(f"tiershard watchdog: {verdict}"), wait.op, wait.unit,
+                                  wait.guard.group, wait.topology, wait.seq, since)
+            self.end(f"{error}\n  This rank ends here: nothing wakes a thread blocked in the collective "
+                     f"(exit code {EXIT_CODE}).")
+        threading.Thread(target=end, name="tiershard-watchdog-end", daemon=True).start()
 
 
 def _member_groups() -> set[str]:
