@@ -12,12 +12,16 @@ connections, so the engine's process groups carry the process group's own timeou
 - a rank that has waited in a collective for more than a second reads its peers' beats. A peer that has issued the
   collective already is fine. A peer behind it whose counter moves is busy: the lowest waiting member prints
   "waiting for rank R (busy in user code for N s, at FILE:LINE)" every ``notice_every(timeout)`` seconds. A peer
-  whose counter has not moved for the topology's ``timeout`` minus the report window is dead or hung (SIGSTOP, a
-  C call holding the interpreter), one whose process exited is gone, and two ranks that each wait, for longer than
-  ``timeout``, in a collective the other has not reached run different collectives (``if rank == 0: ts.save``).
-  A Python thread beats, so a main thread looping in Python counts as busy, with its line shown.
+  whose counter has not moved for ``silent_after`` (the topology's ``timeout`` less two report windows, so that
+  the report exchange that follows still ends inside the bound) is dead or hung (SIGSTOP, a C call holding the
+  interpreter), one whose process exited is gone, and two ranks that each wait, for longer than ``timeout``, in a
+  collective the other has not reached run different collectives (``if rank == 0: ts.save``). A peer that is
+  itself ending (its beat carries its verdict) ends this rank too, so that a rank waiting on a rank waiting on the
+  dead one is not left until a connection closes. A Python thread beats, so a main thread looping in Python counts
+  as busy, with its line shown. When the store itself stops answering (its host, rank 0's, died) for
+  ``silent_after``, a waiting rank ends as well: nothing can tell it any more whether its peers are alive.
 
-Those three verdicts end the rank: the watch writes the failure report as a failed collective would (comm/failure.py),
+Those verdicts end the rank: the watch writes the failure report as a failed collective would (comm/failure.py),
 prints the same ``CollectiveError`` message and ends the process with ``EXIT_CODE``, because nothing wakes a
 thread blocked in a gloo collective (NCCL's watchdog ends the process the same way). Ending loses nothing: a
 checkpoint commits atomically, so the previous one stands. Staleness is judged by the counter on this rank's own
@@ -55,6 +59,12 @@ def notice_every(timeout: float) -> float:
 
 def beat_period(timeout: float) -> float:
     return min(1.0, timeout / 8)
+
+
+def silent_after(topology: "Topology") -> float:
+    """Seconds without a heartbeat before a rank is taken for dead: the bound less two report windows, one for
+    the report exchange that follows, so that the survivors name it within the bound."""
+    return topology.timeout - 2 * topology.report_window
 
 
 @dataclass
@@ -123,7 +133,9 @@ class _Heart:
         self.rank = 0
         self.host = socket.gethostname()
         self.main = threading.main_thread().ident
-        self.seen: dict[int, tuple[int, float]] = {}       # rank -> (its counter, monotonic time it last moved)
+        # rank -> (its counter, monotonic time it was last seen to move, monotonic time it was last read)
+        self.seen: dict[int, tuple[int, float, float]] = {}
+        self.verdict: str | None = None         # why this rank ends, once it does (its beats carry it)
         self.end: Callable[[str], None] = end_process
         # comm/failure.py sets these (it imports this module, not the other way round): the CollectiveError of a
         # verdict, and its stay at exit while the other ranks read the reports
@@ -153,6 +165,8 @@ class _Heart:
         self.count += 1
         payload = {"n": self.count, "host": self.host, "pid": os.getpid(), "waits": waits, "issued": dict(_ISSUED),
                    "last": _STATE["last"], **extra}
+        if self.verdict:
+            payload["ending"] = self.verdict
         if not waits:
             payload["idle"] = round(idle, 1)
             payload["at"] = self.where()
@@ -175,16 +189,32 @@ class _Heart:
             self.running = False
 
     def beat_until_destroyed(self) -> None:
+        failing = None                # monotonic time the store began to fail
         while dist.is_initialized():
             try:
                 store = dist.distributed_c10d._get_default_store()
                 self.beat(store)      # also while ending: the peers must not take a lingering rank for dead
                 if not _STATE["ending"]:
                     self.watch(store)
-            except Exception:         # the store's host went away or the group was destroyed: gloo reports it
+                failing = None
+            except Exception as err:  # the store's host went away, or the group was destroyed
                 if not dist.is_initialized():
                     return
+                failing = failing or time.monotonic()
+                self.store_gone(failing, err)
             time.sleep(self.period)
+
+    def store_gone(self, failing: float, err: BaseException) -> None:
+        """End a rank that waits in a collective while the store has failed for ``silent_after``: nothing can tell
+        it whether its peers are alive (the store lives on the master, rank 0's host)."""
+        with _LOCK:
+            waits = list(_ACTIVE.values())
+        quiet = time.monotonic() - failing
+        for wait in waits:
+            if not _STATE["ending"] and quiet > silent_after(wait.topology):
+                self.finish(wait, f"the rendezvous store (on the master, rank 0's host) has not answered for "
+                                  f"{quiet:.0f} s ({_first_line(err)}): that host may have died")
+                return
 
     def exited(self) -> None:
         try:
@@ -201,14 +231,17 @@ class _Heart:
         beats = {r: json.loads(bytes(v)) for r, v in zip(there, values)}
         now = time.monotonic()
         for r, b in beats.items():
-            if self.seen.get(r, (None,))[0] != b["n"]:
-                self.seen[r] = (b["n"], now)
+            n, moved, looked = self.seen.get(r, (None, now, now))
+            # unobserved for a while: when it last moved is unknown, so count from now
+            if n != b["n"] or now - looked > 3 * self.period + 1:
+                moved = now
+            self.seen[r] = (b["n"], moved, now)
         return beats
 
     def watch(self, store) -> None:
         now = time.monotonic()
         with _LOCK:
-            waits = [w for w in _ACTIVE.values() if now - w.started > 1.0]
+            waits = [w for w in _ACTIVE.values() if now - w.started > 2 * self.period]
         for wait in waits:
             peers = [r for r in wait.ranks if r != self.rank]
             beats = self.read(store, peers)
@@ -222,20 +255,22 @@ class _Heart:
     def judge(self, wait: Wait, peers: list[int], beats: dict[int, dict],
               now: float) -> tuple[str | None, dict[int, str]]:
         """(why this rank must end, or None; what each peer it waits for is doing)."""
-        silent_after = wait.topology.timeout - wait.topology.report_window
+        silent = silent_after(wait.topology)
         waited = now - wait.started
         behind: dict[int, str] = {}
         for r in peers:
             b = beats.get(r)
-            since = max(self.seen.get(r, (None, wait.started))[1], wait.started)
+            since = self.seen[r][1] if r in self.seen else wait.started
             if b is None:
-                if now - since > silent_after:
+                if now - since > silent:
                     return f"rank {r} never sent a heartbeat in {now - since:.0f} s: it did not start, or died", {}
                 continue
             if b.get("exited"):
                 return (f"rank {r} ({_whose(b)}) has exited while this rank waits for it; its last collective was "
                         f"{b.get('last') or 'none'}"), {}
-            if now - since > silent_after:
+            if b.get("ending"):
+                return f"rank {r} ({_whose(b)}), which this rank waits for, has ended: {b['ending']}", {}
+            if now - since > silent:
                 return (f"rank {r} ({_whose(b)}) sent no heartbeat for {now - since:.0f} s: dead, or its interpreter "
                         f"stopped (SIGSTOP, a call holding the GIL); last seen {_doing(b)}"), {}
             if b.get("issued", {}).get(wait.group, 0) >= wait.seq:
@@ -275,6 +310,7 @@ class _Heart:
         """End this rank on a thread of its own, so that the heartbeat goes on while the reports are exchanged
         and the rank lingers (its peers must not take it for dead meanwhile)."""
         _STATE["ending"] = True
+        self.verdict = verdict[:500]
         since = time.time() - (time.monotonic() - wait.started)
 
         def end() -> None:
@@ -288,6 +324,11 @@ class _Heart:
 def _member_groups() -> set[str]:
     """Names of the groups this rank belongs to (torch registers a group only on its members)."""
     return set(dist.distributed_c10d._world.pg_names.values())
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:200] if text else type(err).__name__
 
 
 def _whose(beat: dict) -> str:
