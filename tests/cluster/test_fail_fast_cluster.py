@@ -139,7 +139,7 @@ def run_scenarios(cluster, scenarios: list[str], timeout: float, folder: str, sc
             if line.startswith("KILLED "):
                 runs[scenario]["killed"] = float(line[7:].split()[0])
         runs[scenario]["ranks"][rank] = {"result": result, "code": proc.returncode, "ended": ended.get(i),
-                                         "log": text[-3000:]}
+                                         "log": text if len(text) < 6000 else f"{text[:3000]}\n...\n{text[-3000:]}"}
     return runs
 
 

@@ -96,6 +96,13 @@ def job(scenario: str, folder: str) -> None:
 
     import tiershard as ts
 
+    from tiershard.comm import liveness
+
+    def named(message: str) -> None:                # when the watchdog names the culprit (then ends as it would)
+        print(f"NAMED {time.time()!r}", flush=True)
+        liveness.end_process(message)
+    liveness.HEART.end = named
+
     phase, plan = scenario.split("@")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -206,7 +213,10 @@ def _row(scenario: str, run: dict, timeout: float) -> list[str]:
         if res is None:
             ended = [line for line in r["log"].splitlines() if line.startswith("tiershard: collective")]
             if "This rank ends here" in r["log"] and ended:
-                out.append(f"rank {rank}: ended by the watchdog at {r['ended'] - t0:.1f} s: {ended[0][:220]}")
+                named = [float(line.split()[1]) for line in r["log"].splitlines() if line.startswith("NAMED ")]
+                when = f"named at {named[0] - t0:.1f} s, " if named else ""
+                out.append(f"rank {rank}: ended by the watchdog ({when}exit at {r['ended'] - t0:.1f} s): "
+                           f"{ended[0][:220]}")
             else:
                 out.append(f"rank {rank}: killed" if run["killed"] else f"rank {rank}: no result, code {r['code']}")
             continue

@@ -177,7 +177,7 @@ class _Heart:
         frame = sys._current_frames().get(self.main)
         while frame is not None:
             path = frame.f_code.co_filename
-            if not path.startswith(_OWN_CODE):
+            if not path.startswith(_OWN_CODE + ("<frozen",)):
                 return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
             frame = frame.f_back
         return None
@@ -198,11 +198,12 @@ class _Heart:
                     self.watch(store)
                 failing = None
             except Exception as err:  # the store's host went away, or the group was destroyed
-                if not dist.is_initialized():
-                    return
+                if not dist.is_initialized() or _STATE["ending"]:
+                    return            # (c10d logs every failed store call with its stack: no more of those)
                 failing = failing or time.monotonic()
                 self.store_gone(failing, err)
-            time.sleep(self.period)
+            # after a failure, try again less often: each failed call is a logged stack trace
+            time.sleep(self.period if failing is None else min(8.0, max(self.period, time.monotonic() - failing)))
 
     def store_gone(self, failing: float, err: BaseException) -> None:
         """End a rank that waits in a collective while the store has failed for ``silent_after``: nothing can tell
@@ -224,13 +225,15 @@ class _Heart:
             pass
 
     # ---- the watch ----------------------------------------------------------------------------------------------
-    def read(self, store, ranks: list[int]) -> dict[int, dict]:
+    def read(self, store, ranks: list[int], looking: bool = True) -> dict[int, dict]:
+        """The peers' last beats; ``looking``: this is the watch, so note when each counter was seen to move (a
+        report's read, after a pause in the watch, must not take a silent rank's old counter for a new one)."""
         keys = {r: _KEY.format(r) for r in ranks}
         there = [r for r in ranks if store.check([keys[r]])]
         values = store.multi_get([keys[r] for r in there]) if there else []
         beats = {r: json.loads(bytes(v)) for r, v in zip(there, values)}
         now = time.monotonic()
-        for r, b in beats.items():
+        for r, b in beats.items() if looking else ():
             n, moved, looked = self.seen.get(r, (None, now, now))
             # unobserved for a while: when it last moved is unknown, so count from now
             if n != b["n"] or now - looked > 3 * self.period + 1:
@@ -361,15 +364,16 @@ HEART = _Heart()
 def describe_ranks(store, ranks: list[int]) -> list[str]:
     """One line per rank from its last heartbeat: who it is and what it was doing."""
     lines = []
-    beats = HEART.read(store, ranks)
+    beats = HEART.read(store, ranks, looking=False)
     now = time.monotonic()
     for r in ranks:
         b = beats.get(r)
         if b is None:
             lines.append(f"rank {r}: no heartbeat ever")
             continue
-        quiet = now - HEART.seen.get(r, (None, now))[1]
-        state = "exited" if b.get("exited") else (f"no heartbeat for {quiet:.0f} s" if quiet > 2 * HEART.period
+        n, moved, _ = HEART.seen.get(r, (b["n"], now, now))
+        quiet = now - moved if n == b["n"] else 0.0
+        state = "exited" if b.get("exited") else "ending" if b.get("ending") else (f"no heartbeat for {quiet:.0f} s" if quiet > 2 * HEART.period
                                                   else "alive")
         lines.append(f"rank {r} ({_whose(b)}): {state}, last seen {_doing(b)}")
     return lines
