@@ -1,7 +1,8 @@
 """Every PaRO placement against single-process training, plus its traffic and memory against the formulas.
 
-One launch of the ranks per topology runs all 27 plans (and a few tier-named and bf16 ones), so the suite
-stays fast. Oracles:
+One launch of 4 ranks runs all 27 plans on 2 nodes of 2 (and a few bf16 and ZeRO++ ones, then the bf16
+boundary check); one launch of 8 ranks runs a Latin square of nine on 4 nodes of 2, then all 27 (and tier-named
+ones) on pairs, nodes and world, so the suite pays for two starts. Oracles:
 - SGD with momentum (linear in the gradient, so a wrong averaging factor shows): every tensor within 1e-5
   relative (max abs difference over max abs value) of single-process training on the concatenated batch.
 - AdamW: relative L2 error over all parameters within 1e-3. Adam turns round-off in exactly-zero gradients
@@ -201,29 +202,55 @@ def check(results, codes, bf16_codes, sizes, optimizers=("sgd", "adamw")):
 
 
 ALL = [a + b + c for a in "NIG" for b in "NIG" for c in "NIG"]   # GGG comes before every +hpz plan
+# Each level of p, g and os beside each level of the others once (os = p + g mod 3: a Latin square). On 4 nodes of
+# 2 these nine run the per-level code of every state under a cross-node group of 4; all 27 placements run on
+# 2 nodes of 2 and on the three tiers of 8 ranks (the same per-state code on the same kinds of groups).
+LATIN = ["NNN", "NII", "NGG", "INI", "IIG", "IGN", "GNG", "GIN", "GGI"]
 
-
-def test_all_plans_on_2_nodes_of_2():
-    bf16 = ["GGG", "IIG", "NNN"]
-    codes = ALL + ["GGG+hpz", "GGG+cc", "NNN+cc", "NIG+cc", "GGN+cc",
-                   "zero++", "GGG+qwz", "IIG+qgz", "NIG+qgz=int4+ef", "III+qwz+qgz", "GGG+qwz+cc"]
-    check(run_ranks(sweep, 4, (2, 4), codes, bf16, ("sgd", "adamw"), True), codes, bf16, (2, 4))
-
-
+FOUR_CODES = ALL + ["GGG+hpz", "GGG+cc", "NNN+cc", "NIG+cc", "GGN+cc",
+                    "zero++", "GGG+qwz", "IIG+qgz", "NIG+qgz=int4+ef", "III+qwz+qgz", "GGG+qwz+cc"]
+FOUR_BF16 = ["GGG", "IIG", "NNN"]
 # On 8 ranks SGD alone (its bound is the tighter, and its one state still shows a mis-sharded optimizer state);
 # AdamW's two states and bf16 are swept on 4.
+WIDE_CODES = LATIN + ["zero++"]
+THREE_CODES = ALL + ["p=pair,g=pair,os=world", "p=pair,g=node,os=world", "p=N,g=pair,os=node",
+                     "p=world,g=pair,os=N", "GGG+hpz=pair/node", "GGG+hpz=pair", "p=node,g=G,os=G+hpz=pair",
+                     "GGG+hpz=pair/node+qwz+qgz", "p=node,g=pair,os=world+qgz", "GGG+cc", "p=N,g=pair,os=world+cc"]
+BOUNDARY_PLANS = ["GGG", "NGG"]
 
 
-def test_all_plans_on_4_nodes_of_2():
-    codes = ALL + ["zero++"]
-    check(run_ranks(sweep, 8, (2, 8), codes, [], ("sgd",)), codes, [], (2, 8), ("sgd",))
+def _four(rank, world):
+    """The 4-rank launch: the 2-nodes-of-2 sweep, then the bf16 boundary check."""
+    return (sweep(rank, world, (2, 4), FOUR_CODES, FOUR_BF16, ("sgd", "adamw"), True),
+            _boundary_precision(rank, world, BOUNDARY_PLANS))
 
 
-def test_all_plans_on_pairs_nodes_world():
-    codes = ALL + ["p=pair,g=pair,os=world", "p=pair,g=node,os=world", "p=N,g=pair,os=node",
-                   "p=world,g=pair,os=N", "GGG+hpz=pair/node", "GGG+hpz=pair", "p=node,g=G,os=G+hpz=pair",
-                   "GGG+hpz=pair/node+qwz+qgz", "p=node,g=pair,os=world+qgz", "GGG+cc", "p=N,g=pair,os=world+cc"]
-    check(run_ranks(sweep, 8, (2, 4, 8), codes, [], ("sgd",)), codes, [], (2, 4, 8), ("sgd",))
+def _eight(rank, world):
+    """The 8-rank launch: 4 nodes of 2, then pairs, nodes and world."""
+    return (sweep(rank, world, (2, 8), WIDE_CODES, [], ("sgd",)),
+            sweep(rank, world, (2, 4, 8), THREE_CODES, [], ("sgd",)))
+
+
+@pytest.fixture(scope="module")
+def four():
+    return run_ranks(_four, 4)
+
+
+@pytest.fixture(scope="module")
+def eight():
+    return run_ranks(_eight, 8)
+
+
+def test_all_plans_on_2_nodes_of_2(four):
+    check([res for res, _ in four], FOUR_CODES, FOUR_BF16, (2, 4))
+
+
+def test_latin_plans_on_4_nodes_of_2(eight):
+    check([res for res, _ in eight], WIDE_CODES, [], (2, 8), ("sgd",))
+
+
+def test_all_plans_on_pairs_nodes_world(eight):
+    check([res for _, res in eight], THREE_CODES, [], (2, 4, 8), ("sgd",))
 
 
 def _boundary_precision(rank, world, plans):
@@ -244,10 +271,10 @@ def _boundary_precision(rank, world, plans):
     return out
 
 
-def test_bf16_reductions_accumulate_in_fp32_up_to_the_boundary():
+def test_bf16_reductions_accumulate_in_fp32_up_to_the_boundary(four):
     """The micro-steps' bf16 reductions are summed in fp32 (docs/engine.md); where nothing is left to reduce at
     the boundary (g = os = world) that sum becomes the gradient as it is, not rounded through bf16 again. One
     micro-step gives bf16 values (scaled by 1/4, exact); two give sums that bf16 cannot hold."""
-    for res in run_ranks(_boundary_precision, 4, ["GGG", "NGG"]):
-        for plan in ("GGG", "NGG"):
+    for _, res in four:
+        for plan in BOUNDARY_PLANS:
             assert res[(plan, 1)] and not res[(plan, 2)], (plan, res)
