@@ -102,14 +102,14 @@ def _slow_and_skipped(rank, world, folder):
     return "not ended by the watchdog"
 
 
-def _stopped(rank, world, folder):
+def _stopped(rank, world, folder, victim=3):
     import tiershard as ts
 
     model = ts.shard(TinyGPT(), "IIG", ts.Topology((2, 4)), wrap={Block})
     _ended_into(f"{folder}/ended{rank}.json")
     with open(f"{folder}/started{rank}", "w") as f:
         f.write(str(time.time()))
-    if rank == 3:
+    if rank == victim:
         os.kill(os.getpid(), signal.SIGSTOP)
     _raised_into(f"{folder}/raised{rank}.json", lambda: model(torch.randint(0, 37, (2, 8))))
     return "not ended by the watchdog"
@@ -189,6 +189,18 @@ def test_a_stopped_rank_is_named_with_its_host_within_the_bound(tmp_path, monkey
     message, _ = _ended(tmp_path, ended[0])
     assert "its interpreter stopped" in message and "last seen busy in user code" in message, message
     assert not (tmp_path / "ended3.json").exists()
+
+
+def test_a_stopped_store_host_ends_every_waiting_rank_within_the_bound(tmp_path, monkeypatch):
+    """Rank 0 hosts the store here: stopped, it answers no store call (TCPStore's reads have no timeout), and the
+    heartbeat must judge that too, not block with it until the process group's timeout."""
+    monkeypatch.setenv("TIERSHARD_COLLECTIVE_TIMEOUT", str(BOUND))
+    with pytest.raises(AssertionError, match="exited without a result"):
+        run_ranks(_stopped, 4, str(tmp_path), 0, timeout=120, pg_timeout=60)
+    for rank in (1, 2, 3):
+        message, seconds = _ended(tmp_path, rank)
+        assert "the rendezvous store (on the master, rank 0's host) has not answered" in message, message
+        assert seconds < 3 * BOUND, seconds
 
 
 # ---- the stream drops no failure ([Note: no failure is dropped]) --------------------------------------------------

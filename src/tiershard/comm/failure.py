@@ -190,6 +190,8 @@ def _exchange(rank: int, mine: dict, others: list[int], window: float,
         except Exception:
             pass
 
+    if liveness.HEART.store_failing is not None:       # the heartbeat already found it silent: no exchange
+        return {}, f"it has not answered for {time.monotonic() - liveness.HEART.store_failing:.0f} s"
     thread = threading.Thread(target=work, name="tiershard-failure-report", daemon=True)
     thread.start()
     thread.join(window + STORE_SLACK)
