@@ -138,6 +138,8 @@ class _Heart:
         self.verdict: str | None = None         # why this rank ends, once it does (its beats carry it)
         self.store_failing: float | None = None         # monotonic time the store began to fail, while it does
         self.worker: threading.Thread | None = None     # the thread of the store calls of a beat and a watch
+        self.worker_began = 0.0                         # monotonic time it began
+        self.worker_error: BaseException | None = None  # what its store calls raised
         self.end: Callable[[str], None] = end_process
         # comm/failure.py sets these (it imports this module, not the other way round): the CollectiveError of a
         # verdict, and its stay at exit while the other ranks read the reports
@@ -200,7 +202,7 @@ class _Heart:
                 if not dist.is_initialized() or _STATE["ending"]:
                     return            # (c10d logs every failed store call with its stack: no more of those)
                 blocked = self.worker is not None and self.worker.is_alive()
-                failing = self.store_failing = failing or (self.worker.began if blocked else time.monotonic())
+                failing = self.store_failing = failing or (self.worker_began if blocked else time.monotonic())
                 self.store_gone(failing, err)
             # after a failure, try again less often: each failed call is a logged stack trace
             time.sleep(self.period if failing is None else min(8.0, max(self.period, time.monotonic() - failing)))
@@ -210,25 +212,23 @@ class _Heart:
         timeout (TCPStore's reads have none), and the heartbeat must still judge that. Raises what the store
         raised, or that it has not answered for a few beats."""
         if self.worker is None or not self.worker.is_alive():
-            outcome: list = []
-
-            def work() -> None:
-                try:
-                    store = dist.distributed_c10d._get_default_store()
-                    self.beat(store)  # also while ending: the peers must not take a lingering rank for dead
-                    if not _STATE["ending"]:
-                        self.watch(store)
-                    outcome.append(None)
-                except Exception as err:
-                    outcome.append(err)
-            self.worker = threading.Thread(target=work, name="tiershard-heartbeat-store", daemon=True)
-            self.worker.outcome, self.worker.began = outcome, time.monotonic()
+            self.worker_error, self.worker_began = None, time.monotonic()
+            self.worker = threading.Thread(target=self.work, name="tiershard-heartbeat-store", daemon=True)
             self.worker.start()
         self.worker.join(max(2.0, 4 * self.period))
         if self.worker.is_alive():
-            raise RuntimeError(f"a store call has not returned for {time.monotonic() - self.worker.began:.0f} s")
-        if self.worker.outcome and self.worker.outcome[0] is not None:
-            raise self.worker.outcome[0]
+            raise RuntimeError(f"a store call has not returned for {time.monotonic() - self.worker_began:.0f} s")
+        if self.worker_error is not None:
+            raise self.worker_error
+
+    def work(self) -> None:
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            self.beat(store)          # also while ending: the peers must not take a lingering rank for dead
+            if not _STATE["ending"]:
+                self.watch(store)
+        except Exception as err:
+            self.worker_error = err
 
     def store_gone(self, failing: float, err: BaseException) -> None:
         """End a rank that waits in a collective while the store has failed for ``silent_after``: nothing can tell
