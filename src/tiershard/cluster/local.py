@@ -5,9 +5,9 @@ over loopback, calls ``fn(rank, world, ...)`` in each and returns their results 
 importable (defined at module level). Real clusters use ``torchrun`` instead.
 
 [Note: forked ranks] Ranks are forked from a fork server that imported torch, tiershard and what every rank
-imports next (``PRELOAD``) once (multiprocessing's ``forkserver``), not started as fresh interpreters: a launch costs
-a fork instead of importing torch in every rank, which is most of a short launch's time. The server is single-threaded (imports only, no CUDA), so forking it is
-safe. It was started with the environment of its first launch, so each rank takes the caller's environment at
+imports next (``PRELOAD``) once (multiprocessing's ``forkserver``), not started as fresh interpreters: a launch
+costs a fork instead of importing torch in every rank, which is most of a short launch's time. The server is
+single-threaded (imports only, no CUDA), so forking it is safe. It was started with the environment of its first launch, so each rank takes the caller's environment at
 launch time explicitly (as a fresh interpreter would).
 """
 from __future__ import annotations

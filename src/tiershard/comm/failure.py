@@ -165,7 +165,7 @@ def _exchange(rank: int, mine: dict, others: list[int], window: float,
             store = dist.distributed_c10d._get_default_store()
             store.set(f"tiershard/failed/{rank}", json.dumps(mine))
         except Exception as err:          # the store's host died, or no default store
-            problem.append(_first_line(err))
+            problem.append(liveness.first_line(err))
             return
         try:
             waiting = {r: f"tiershard/failed/{r}" for r in others}
@@ -181,7 +181,7 @@ def _exchange(rank: int, mine: dict, others: list[int], window: float,
                     break
                 time.sleep(0.05)
         except Exception as err:          # the store's host went away meanwhile: what was read stands
-            late.append(_first_line(err))
+            late.append(liveness.first_line(err))
             return
         try:
             silent = [r for r in others if r not in reports]
@@ -247,11 +247,6 @@ def _first_cause(rank: int, missing: tuple[int, ...], reports: dict[int, dict], 
             f"ranks this one waited for failed waiting for {'it' if len(named) == 1 else 'them'}")
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
 def describe(err: BaseException, op: str, unit: str, group: "TierGroup", topology: "Topology", seq: int,
              since: float) -> CollectiveError:
     """The CollectiveError for ``err``, raised by collective number ``seq`` of ``group``, entered at wall time
@@ -267,7 +262,7 @@ def describe(err: BaseException, op: str, unit: str, group: "TierGroup", topolog
         if not _LINGER:                   # until the members that have not reported yet could read every report
             atexit.register(_linger)
         _LINGER.append((time.monotonic() + window, [r for r in others if r not in reports], since - CLOCK_SLACK))
-    cause = _first_line(err)
+    cause = liveness.first_line(err)
     timed_out = "timed out" in cause.lower() or "timeout" in cause.lower()
     head = (f"tiershard: collective {op!r} of unit {unit!r} on the {tier} tier (group ranks {list(ranks)}, "
             f"collective #{seq} of that group) failed on rank {rank}")
@@ -303,7 +298,8 @@ def describe(err: BaseException, op: str, unit: str, group: "TierGroup", topolog
         head += ": every member arrived, but the connection between them failed"
     lines.append(f"cause: {cause}")
     lines.append(HINT)
-    lines.append(f"A rank whose heartbeat stops for {topology.timeout:g} s is taken for dead (ts.Topology(..., "
+    lines.append(f"A rank whose heartbeat stops for {liveness.silent_after(topology):g} s (the bound, "
+                 f"{topology.timeout:g} s, less two report windows) is taken for dead (ts.Topology(..., "
                  f"timeout=...) or TIERSHARD_COLLECTIVE_TIMEOUT); a live rank is waited for up to the process "
                  f"group's timeout ({process_group_timeout():g} s, init_process_group(timeout=...)).")
     return CollectiveError(head + ".\n  " + "\n  ".join(lines), op, unit, tier, ranks, missing, rank)

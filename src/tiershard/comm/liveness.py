@@ -239,7 +239,7 @@ class _Heart:
         for wait in waits:
             if not _STATE["ending"] and quiet > silent_after(wait.topology):
                 self.finish(wait, f"the rendezvous store (on the master, rank 0's host) has not answered for "
-                                  f"{quiet:.0f} s ({_first_line(err)}): that host may have died")
+                                  f"{quiet:.0f} s ({first_line(err)[:200]}): that host may have died")
                 return
 
     def exited(self) -> None:
@@ -330,7 +330,7 @@ class _Heart:
         whom = "; ".join(f"rank {r} ({what})" for r, what in sorted(behind.items()))
         alive = all(not what.startswith("no heartbeat") for what in behind.values())
         then = (f"alive, so waited for up to the process group's timeout ({pg:.0f} s)" if alive else
-                f"taken for dead after {wait.topology.timeout:g} s without one")
+                f"taken for dead after {silent_after(wait.topology):g} s without one")
         print(f"tiershard: rank {self.rank} has waited {now - wait.started:.0f} s in {wait.op!r} of unit "
               f"{wait.unit!r} (group ranks {list(wait.ranks)}) for {whom}; {then}", file=sys.stderr, flush=True)
 
@@ -354,9 +354,10 @@ def _member_groups() -> set[str]:
     return set(dist.distributed_c10d._world.pg_names.values())
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message (its type where it has none)."""
     text = str(err).strip()
-    return text.splitlines()[0][:200] if text else type(err).__name__
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _whose(beat: dict) -> str:
