@@ -11,12 +11,21 @@ not a GPU node's::
 
     .venv/bin/python benchmarks/tp_tiers.py                  # about a minute on an idle 8-core machine
     .venv/bin/python benchmarks/tp_tiers.py --steps 20 --layers 8 --hidden 512
+    sudo .venv/bin/python benchmarks/tp_tiers.py --cluster 1gbit --rounds 3    # 2 emulated nodes of 4 (root)
+
+With ``--cluster RATE`` the ranks run on an emulated cluster (docs/cluster.md), 2 nodes of 4 ranks linked at RATE,
+each TP group inside a node; ``--rounds`` repeats every system that many times, interleaved, and the time is the
+median over all rounds' measured steps.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -138,9 +147,37 @@ def predicted_states(plan: str, tp: int, args: dict) -> float:
     return cost.evaluate(plan, spec, cluster, job, tp=tp).memory.model_states
 
 
+def rank_main(spec_path: str) -> None:
+    """One rank of a ``--cluster`` launch: the system of the spec, every rank's result gathered to rank 0's file."""
+    import torch.distributed as dist
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    result = run_rank(rank, world, spec["system"], spec["args"])
+    results = [None] * world
+    dist.all_gather_object(results, result)
+    if rank == 0:
+        Path(spec["out"]).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def run_on_cluster(cluster, system: str, args: dict) -> list[dict]:
+    """Every rank's result of ``system`` launched inside the emulated ``cluster``."""
+    with tempfile.TemporaryDirectory(prefix="tiershard-tp-") as tmp:
+        spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec.write_text(json.dumps({"system": system, "args": args, "out": str(out)}))
+        cluster.launch([sys.executable, __file__, "--rank-spec", str(spec)], env={"OMP_NUM_THREADS": "1"},
+                       cwd=Path(__file__).resolve().parents[1])
+        return json.loads(out.read_text())
+
+
 def main() -> None:
     from tiershard.cluster.local import run_local
 
+    if "--rank-spec" in sys.argv:
+        return rank_main(sys.argv[sys.argv.index("--rank-spec") + 1])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
@@ -152,21 +189,42 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--systems", default="tiershard:NNN,tiershard:IIG,tiershard:GGG,tiershard-tp2:NNN,"
                         "tiershard-tp2:IIG,tiershard-tp2:GGG,fsdp2,fsdp2-tp2")
+    parser.add_argument("--cluster", metavar="RATE", help="run on 2 emulated nodes of 4 ranks linked at RATE "
+                        "(a tc rate such as 1gbit, or none for uncapped); needs root")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every system, interleaved")
     args = vars(parser.parse_args())
-    print(f"{'system':<22} {'plan':<5} {'tp':>2} {'states MB':>10} {'predicted MB':>13} {'error':>7} {'step ms':>9}")
-    for system in args["systems"].split(","):
-        results = run_local(run_rank, 8, system, args)
+    systems = args["systems"].split(",")
+    runs: dict[str, list[list[dict]]] = {system: [] for system in systems}
+    if args["cluster"] is None:
+        for _ in range(args["rounds"]):
+            for system in systems:
+                runs[system].append(run_local(run_rank, 8, system, args))
+    else:
+        from tiershard.cluster.emulated import EmulatedCluster
+
+        rate = None if args["cluster"] == "none" else args["cluster"]
+        with EmulatedCluster(nodes=2, ranks_per_node=4, inter_bw=rate, replace=True) as cluster:
+            for _ in range(args["rounds"]):
+                for system in systems:
+                    runs[system].append(run_on_cluster(cluster, system, args))
+    where = f"2 emulated nodes of 4 at {args['cluster']}" if args["cluster"] else "8 loopback ranks"
+    print(f"{where}, {args['rounds']} round(s) of {args['steps'] - args['warmup']} measured steps")
+    print(f"{'system':<22} {'plan':<5} {'tp':>2} {'states MB':>10} {'predicted MB':>13} {'error':>7} {'step ms':>9}"
+          f" {'rounds ms':>20}")
+    for system in systems:
+        results = runs[system][0]
         kind, _, plan = system.partition(":")
         tp = 2 if "tp2" in kind else 1
-        step = statistics.median(results[0]["times"]) * 1e3
+        per_round = [statistics.median(r[0]["times"]) * 1e3 for r in runs[system]]
+        step = statistics.median([t for r in runs[system] for t in r[0]["times"]]) * 1e3
+        spread = "/".join(f"{t:.0f}" for t in per_round)
         if results[0]["states"] is None:
-            print(f"{kind:<22} {'-':<5} {tp:>2} {'':>10} {'':>13} {'':>7} {step:>9.1f}")
+            print(f"{kind:<22} {'-':<5} {tp:>2} {'':>10} {'':>13} {'':>7} {step:>9.1f} {spread:>20}")
             continue
         measured = max(r["states"] for r in results)
         predicted = predicted_states(plan, tp, args)
         print(f"{kind:<22} {plan:<5} {tp:>2} {measured / 2**20:>10.2f} {predicted / 2**20:>13.2f} "
-              f"{measured / predicted - 1:>+7.1%} {step:>9.1f}")
-
+              f"{measured / predicted - 1:>+7.1%} {step:>9.1f} {spread:>20}")
 
 
 if __name__ == "__main__":

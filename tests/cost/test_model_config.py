@@ -152,7 +152,7 @@ def test_llama2_ties_rank_by_headroom_then_slowest_tier_bytes(tmp_path, capsys, 
 
 
 @pytest.mark.parametrize("flags,says,never", [
-    ([], ["add devices (GGG fits on 24)", "shorten the sequence (now 2048)", "weigh tensor parallelism"],
+    ([], ["add devices (GGG fits on 16)", "shorten the sequence (now 2048)", "weigh tensor parallelism"],
      ["recompute", "micro-batch"]),
     (["--no-recompute", "--micro-batch", "2"], ["lower the micro-batch (now 2)", "turn on recompute"],
      ["add devices"]),                        # what does not shard already exceeds a device
@@ -175,7 +175,7 @@ def test_the_device_count_named_fits_and_one_node_fewer_does_not():
     assert "turn on recompute" not in str(err.value)
     assert cost.evaluate("GGG", model, cluster.resized(16), Job(), tp=4).fits
     assert not cost.evaluate("GGG", model, cluster.resized(8), Job(), tp=4).fits
-    with pytest.raises(cost.NoPlanFits, match=r"GGG fits on 24\)"):      # without TP: whole nodes, 3 of them
+    with pytest.raises(cost.NoPlanFits, match=r"GGG fits on 16\)"):      # without TP: whole nodes, 2 of them
         cost.auto_plan(model, cluster, Job(), tp=(1,))
-    assert cost.evaluate("GGG", model, cluster.resized(24), Job()).fits
-    assert not cost.evaluate("GGG", model, cluster.resized(16), Job()).fits
+    assert cost.evaluate("GGG", model, cluster.resized(16), Job()).fits
+    assert not cost.evaluate("GGG", model, cluster.resized(8), Job()).fits

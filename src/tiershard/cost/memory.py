@@ -2,7 +2,9 @@
 
 Model states in mixed precision (reference/papers.md section 1)::
 
-    params  param_bytes     x Ψ  / d_p        working-precision weights at rest
+    params  param_bytes     x Ψ  / d_p        working-precision weights at rest; a trainable one only where p
+                                              is replicated or finer than os (at p = os each gather casts the
+                                              masters' band, as the engine does: docs/engine.md), frozen ones always
     grads   grad_bytes      x Ψ' / d_g        accumulated gradients
     optim   optimizer_bytes x Ψ' / d_os       fp32 master + Adam m, v (12 bytes)
     hpz     param_bytes     x Ψ  / d_h        one cached weight shard per hpz level h (ZeRO++ section 2.6)
@@ -86,7 +88,7 @@ def memory(pl: Placement, model: ModelSpec, job: Job) -> Memory:
     if pl.g > 0:
         buffers += unit_t * job.reduce_bytes + (qgz_scratch(pl, unit_t) if plan.qgz else 0)
     return Memory(
-        params=job.param_bytes * psi / d(pl.p),
+        params=job.param_bytes * (psi - psi_t + (0 if pl.p == pl.os and pl.p > 0 else psi_t)) / d(pl.p),
         grads=job.grad_bytes * psi_t / d(pl.g),
         optimizer=job.optimizer_bytes * psi_t / d(pl.os) + outer_bytes(pl, psi_t),
         hpz=sum(job.param_bytes * psi / d(h) for h in pl.hpz),
