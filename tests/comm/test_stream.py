@@ -95,3 +95,23 @@ def test_a_finished_job_no_longer_holds_its_inputs():
     assert job.result() == 1000.0
     stream.drain()
     assert held_at_wake == [False]
+
+
+def test_the_ledger_clocks_the_stream_the_waits_and_the_codecs():
+    """[Note: where the time goes]: a job's run counts as the stream's busy time, the caller's block on it as
+    waited, and the codecs' calls as codec time; a reset clears them."""
+    import time
+
+    import tiershard as ts
+    from tiershard.comm.codecs import INT8
+
+    ts.reset_comm_stats()
+    stream = CommStream(torch.device("cpu"))
+    stream.submit(time.sleep, 0.05).result()
+    stream.submit(time.sleep, 0.03)
+    stream.drain()
+    INT8.decode_wire(INT8.encode_wire(torch.randn(4096), 1), 1, 4096)
+    seconds = ts.comm_stats()["seconds"]
+    assert seconds["stream"] >= 0.08 and seconds["waited"] >= 0.07 and seconds["codec"] > 0, seconds
+    ts.reset_comm_stats()
+    assert ts.comm_stats()["seconds"] == {"waited": 0.0, "stream": 0.0, "codec": 0.0, "tiers": {}}

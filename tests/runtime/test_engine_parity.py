@@ -86,6 +86,7 @@ def train_sharded(rank, world, plan, topo, opt_name, param_dtype=None, measure=F
         predicted = traffic.rank_traffic(colls, topo, rank)
         result["stats"] = {"tiers": stats["tiers"], "ops": {k: v for k, v in stats["ops"].items() if v}}
         result["predicted"] = {"tiers": predicted["tiers"], "ops": {k: v for k, v in predicted["ops"].items() if v}}
+        result["clocks"] = stats["seconds"]
         mem = ts.memory_stats(model, opt)
         pl = engine.placement
         formula = {"params": 0, "grads": 0, "masters": 0, "optimizer": 0}
@@ -181,6 +182,14 @@ def check(results, codes, bf16_codes, sizes, optimizers=("sgd", "adamw")):
                 failures.append(f"{code} rank {rank}: full_state_dict(rank0_only, cpu_offload) differs")
             if last["stats"] != last["predicted"]:
                 failures.append(f"{code} rank {rank}: comm_stats {last['stats']} != formula {last['predicted']}")
+            clocks = last["clocks"]
+            sent = {t for r in results for t, b in r[(code, measured_opt)]["stats"]["tiers"].items() if b}
+            # [Note: where the time goes]: a collective is timed on the widest tier its group spans, which carried
+            # bytes (on this rank's links or, for a ring, on others')
+            timed = {t for t, s in clocks["tiers"].items() if s > 0}
+            if not timed <= sent or bool(timed) != bool(sent) or \
+                    (sent and clocks["stream"] <= 0) or min(clocks["waited"], clocks["codec"]) < 0:
+                failures.append(f"{code} rank {rank}: clocks {clocks} for the tiers {sorted(sent)}")
             if _quantized(code):
                 continue
             sgd, adam = res.get((code, "sgd")), res.get((code, "adamw"))

@@ -231,7 +231,7 @@ def rank_job(rank: int, world: int, spec: dict) -> dict:
             out[label]["step_times"] += result["step_times"]
             out[label]["losses"] += result["losses"]
             out[label]["rounds"].append({"steps": steps, "tiers": stats["tiers"], "ops": stats["ops"], "nic": nic,
-                                            "uplink": uplink})
+                                            "uplink": uplink, "seconds": stats["seconds"]})
     for label, runner in spec["systems"]:
         if runner.startswith("tiershard:"):
             engine = trainers[label].runner.model._tiershard

@@ -71,6 +71,27 @@ def render_table(run: dict) -> str:
     return "\n".join(lines)
 
 
+def render_time_split(run: dict) -> str:
+    """Where the time goes, per plan ([Note: where the time goes], comm/ledger.py): the measured step against its
+    parts and the cost model's; ms per step, the mean over ranks."""
+    rows = [r for r in run["rows"] if r.get("time_split") and not r["same_as"]]
+    if not rows:
+        return ""
+    tiers = list(dict.fromkeys(t for r in rows for t in r["time_split"]["predicted"]["tiers"]))
+    head = ("| system | plan | step ms | compute | exposed comm | rest | stream busy | codec | "
+            + " | ".join(f"{t} in flight (predicted)" for t in tiers)
+            + " | predicted step | predicted exposed | unpriced |")
+    lines = [head, "| --- | --- |" + " ---: |" * (9 + len(tiers))]
+    for r in rows:
+        t, p = r["time_split"], r["time_split"]["predicted"]
+        ms = lambda v: _fmt(v, ".0f", 1e3)        # noqa: E731
+        flight = [f"{ms(t['tiers'].get(n))} ({ms(p['tiers'].get(n))})" for n in tiers]
+        lines.append(f"| {r['system']} | {r['plan']} | {ms(t['step'])} | {ms(t['compute'])} | {ms(t['waited'])} "
+                     f"| {ms(t['rest'])} | {ms(t['stream'])} | {ms(t['codec'])} | " + " | ".join(flight)
+                     + f" | {ms(p['step'])} | {ms(p['exposed'])} | {ms(t['step'] - p['step'])} |")
+    return "\n".join(lines)
+
+
 def memory_cells(row: dict) -> dict[str, float | None]:
     """Our plans' memory columns (bytes; None for the peers): the measured model states, the peak of gathered
     weights and matrices in flight, the engine's other buffers, the predicted model states and activations at
@@ -170,6 +191,14 @@ def render_markdown(results: dict, command: str | None = None) -> str:
                   f"load average {run['loadavg']['before']} -> {run['loadavg']['after']}", "",
                   render_table(run), ""]
         lines += run_summary(run)
+        split = render_time_split(run)
+        if split:
+            lines += ["", "Where the time goes (ms per step, mean over ranks): compute is the compute-only step; "
+                      "exposed comm, the time the step waited for communication; rest = step - compute - exposed "
+                      "comm (the engine's host work, the optimizer step, compute slowed by communication beside it); "
+                      "stream busy, codec and in flight (issue to completion, per tier) are measured by "
+                      "`ts.comm_stats()['seconds']`, beside the cost model's (in brackets: bytes / bandwidth); "
+                      "unpriced = step - predicted step.", "", split]
         lines.append("")
     lines += ["## Bench check", "", render_check(results), ""]
     return "\n".join(lines)

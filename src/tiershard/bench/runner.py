@@ -269,6 +269,7 @@ def summarize(cfg: BenchConfig, systems: list[System], ranks: list[dict], accum:
             row["closed_form_per_node"] = {t: closed.get(t, 0) / nodes for t in names}
             est = cost.evaluate(plans[s.label], spec, ccluster, job)
             row["predicted_s"] = est.step_time
+            row["time_split"] = time_split(ranks, key, timed, step, compute, est)
             row.update(_memory_columns([r["systems"][key].get("memory") for r in ranks], spec, job))
             row["predicted_tier_bytes_per_node"] = {t: b / nodes for t, b in est.tier_bytes.items()}
             if crossing is None:
@@ -287,6 +288,30 @@ def summarize(cfg: BenchConfig, systems: list[System], ranks: list[dict], accum:
     return {"rate": rate, "rate_bits": rate_bits, "node_bits": node_bits, "accum": accum, "tokens_per_step": tokens,
             "compute_s": compute, "link_rate_bytes": link_rate, "rows": rows, "plans": plans,
             "cost_cluster": {"tiers": [asdict(t) for t in ccluster.tiers], "peak_flops": ccluster.peak_flops}}
+
+
+def time_split(ranks: list[dict], key: str, timed: int, step: float, compute: float, est) -> dict:
+    """Where one plan's step went, per step and rank (the mean over ranks), measured beside predicted ([Note: where
+    the time goes], comm/ledger.py): the compute-only step, the communication the step waited for, the rest (the
+    engine's host work, the optimizer step, compute slowed by the communication thread beside it), the stream's busy
+    time, the codecs' time and each tier's time in flight; predicted: compute, exposed communication, each tier's
+    bytes / bandwidth."""
+    sums: dict[str, float] = {"waited": 0.0, "stream": 0.0, "codec": 0.0}
+    tiers: dict[str, float] = {}
+    for r in ranks:
+        for x in r["systems"][key]["rounds"]:
+            seconds = x.get("seconds") or {}
+            for k in sums:
+                sums[k] += seconds.get(k, 0.0)
+            for tier, s in seconds.get("tiers", {}).items():
+                tiers[tier] = tiers.get(tier, 0.0) + s
+    per = len(ranks) * timed
+    out = {k: v / per for k, v in sums.items()}
+    out.update(tiers={t: s / per for t, s in tiers.items()}, step=step, compute=compute,
+               rest=step - compute - out["waited"],
+               predicted={"step": est.step_time, "compute": est.compute, "exposed": est.exposed,
+                          "tiers": dict(est.tier_seconds)})
+    return out
 
 
 def _memory_columns(per_rank: list[dict | None], spec, job) -> dict:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..topology import process_group_timeout
 from . import liveness
+from .ledger import LEDGER
 
 if TYPE_CHECKING:
     from ..topology import TierGroup, Topology
@@ -99,7 +100,7 @@ def comm_failure(err: BaseException) -> BaseException | None:
 class guard:
     """Around one collective on ``group``: counts it, and turns its communication failure into CollectiveError."""
 
-    __slots__ = ("op", "group", "topology", "unit", "seq", "entered")
+    __slots__ = ("op", "group", "topology", "unit", "seq", "entered", "opened", "counted")
 
     def __init__(self, op: str, group: "TierGroup", topology: "Topology", unit: str | None = None):
         self.op, self.group, self.topology, self.unit, self.seq = op, group, topology, unit, 0
@@ -109,15 +110,26 @@ class guard:
         if first:
             key = id(self.group.pg)
             self.seq = _SEQ[key] = _SEQ.get(key, 0) + 1
-            self.entered = time.monotonic()
+            self.entered, self.counted = time.monotonic(), 0.0
+        self.opened = time.monotonic()
         liveness.enter(self, first, self.unit_name())
         return self
+
+    def _clock(self) -> None:
+        """The ledger's seconds ([Note: where the time goes]): issue to completion on the group's tier; on the main
+        thread, the time inside the guard is time the caller waited (entries do not overlap on one thread)."""
+        now = time.monotonic()
+        in_flight, self.counted = now - self.entered - self.counted, now - self.entered
+        LEDGER.add_tier_seconds(_tier(self.group, self.topology), in_flight)
+        if threading.current_thread() is threading.main_thread():
+            LEDGER.add_seconds("waited", now - self.opened)
 
     def unit_name(self) -> str:
         return self.unit or getattr(_LOCAL, "unit", None) or "(no unit)"
 
     def __exit__(self, kind, err, tb) -> bool:
         liveness.leave(self)
+        self._clock()
         cause = comm_failure(err) if isinstance(err, Exception) else None
         if cause is None:
             return False

@@ -42,6 +42,7 @@ issued after a failed one on the same groups would hang or pair with the wrong p
 """
 from __future__ import annotations
 
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Callable
@@ -49,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .failure import CollectiveError, unit_scope
+from .ledger import LEDGER
 
 if TYPE_CHECKING:
     from ..topology import Topology
@@ -86,12 +88,15 @@ class _Job(Future):
     inputs = None         # CUDA, bounded jobs: kept until the main stream waits for done_event
 
     def result(self, timeout: float | None = None) -> Any:
+        start = time.perf_counter()
         try:
             value = super().result(timeout)
         except BaseException:
             if self.done():
                 self.seen = True
             raise
+        finally:
+            LEDGER.add_seconds("waited", time.perf_counter() - start)    # [Note: where the time goes]
         if self.done_event is not None:     # the caller's stream waits for the job's work on the device
             torch.cuda.current_stream().wait_event(self.done_event)
         return value
@@ -145,7 +150,9 @@ class CommStream:
         previous = self._bounded.pop(bound, None)
         if previous is None:
             return
+        start = time.perf_counter()
         wait([previous])
+        LEDGER.add_seconds("waited", time.perf_counter() - start)
         if previous.done_event is not None:     # CUDA: its inputs may be reused once the device is past it
             torch.cuda.current_stream(self.device).wait_event(previous.done_event)
         previous.inputs = None
@@ -164,6 +171,7 @@ class CommStream:
             return
         fn, args = work
         work.clear()
+        start = time.perf_counter()
         try:
             with unit_scope(unit):
                 result = self._run(job, fn, args)
@@ -171,8 +179,10 @@ class CommStream:
         except BaseException as err:
             if isinstance(err, CollectiveError) and self._broken is None:
                 self._broken = err
+            LEDGER.add_seconds("stream", time.perf_counter() - start)
             job.set_exception(err)
         else:
+            LEDGER.add_seconds("stream", time.perf_counter() - start)
             job.set_result(result)
 
     def _run(self, job: _Job, fn: Callable[..., Any], args: tuple) -> Any:
@@ -203,7 +213,9 @@ class CommStream:
     def drain(self) -> None:
         """Wait for everything submitted; raise the first failure no caller has seen yet."""
         pending, self._pending = self._pending, []
+        start = time.perf_counter()
         wait(pending)
+        LEDGER.add_seconds("waited", time.perf_counter() - start)
         if self._queued:                 # the caller's stream waits for everything queued on the device
             torch.cuda.current_stream(self.device).wait_stream(self._cuda)
             self._queued = False

@@ -14,13 +14,16 @@ collective moves both. The separate payload/scales API (``encode``, ``encode_int
 """
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from ..ledger import LEDGER
 from . import native, reference
 from .backends import _cpu_lib, _gpu_lib
 from .format import (_FLOATS, _MASK64, _QMAX, DEFAULT_BLOCKS, Encoded, Order, Segments, _check_float, _layout,
@@ -33,6 +36,18 @@ _SPEC_HELP = ("valid specs are 'int8' or 'int4' (or '8', '4'), then optionally '
               f"defaults: int8 {DEFAULT_BLOCKS[8]}, int4 {DEFAULT_BLOCKS[4]}), then optionally ':h' (Hadamard "
               "rotation) and ':sr' (stochastic rounding), e.g. 'int4:128:h:sr'; per-hop lists join codecs with '/', "
               "innermost tier first, e.g. 'int8:128:h/int4:128:h'")
+
+
+def _timed(method: Callable) -> Callable:
+    """Adds the call's host seconds to the ledger's ``codec`` clock ([Note: where the time goes], comm/ledger.py)."""
+    @functools.wraps(method)
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            LEDGER.add_seconds("codec", time.perf_counter() - start)
+    return timed
 
 
 @dataclass(frozen=True)
@@ -225,6 +240,7 @@ class BlockCodec:
             reference.decode_rows(self.bits, self.block, pay, sc, k, n, None if sum_rows else out.view(-1),
                                   out.view(-1) if sum_rows else None, lay, self.rotate)
 
+    @_timed
     def encode_wire(self, x: Tensor, k: int, out: Tensor | None = None, order: Order = None,
                     segments: Segments | None = None, seed: int | None = None) -> Tensor:
         """Encode ``x`` (k*n values) as k wire chunks in ``out`` (uint8, k * wire_bytes(n, segments)): row i <- chunk
@@ -293,6 +309,7 @@ class BlockCodec:
             reference.encode_rows(self.bits, self.block, x.view(-1), k, n, order, *views, lay, self.rotate, key)
         return out
 
+    @_timed
     def decode_wire(self, wire: Tensor, k: int, n: int, out: Tensor | None = None,
                     dtype: torch.dtype = torch.float32, segments: Segments | None = None) -> Tensor:
         """Decode k wire chunks of n values into flat ``out`` (k*n values, any float dtype; a new ``dtype`` tensor
@@ -310,6 +327,7 @@ class BlockCodec:
             out.copy_(target.view(out.shape))
         return out
 
+    @_timed
     def decode_wire_sum(self, wire: Tensor, k: int, n: int, out: Tensor | None = None,
                         segments: Segments | None = None) -> Tensor:
         """Decode k wire chunks of n values (encoded with ``segments``) and add them in fp32, row 0 first, in one
