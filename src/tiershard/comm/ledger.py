@@ -11,8 +11,9 @@ if TYPE_CHECKING:
     from ..topology import Topology
 
 # [Note: where the time goes] Beside the bytes, the ledger sums host wall-clock seconds since the last reset:
-#   waited  the caller's thread blocked on the communication stream (a gather it needs, a reduction's slot, a drain):
-#           the communication the computation did not hide, measured;
+#   waited  the training (main) thread blocked on communication: on the stream (a gather it needs, a reduction's
+#           slot, a drain) or inside a collective it runs itself (``failure.guard``): the communication the
+#           computation did not hide, measured;
 #   stream  the communication stream busy running jobs (collectives with their copies and codecs);
 #   codec   inside the codecs' encode and decode, on whichever thread ran them;
 #   tiers   per tier, the seconds collectives spent in flight, from issue to completion (a pipelined hierarchical
