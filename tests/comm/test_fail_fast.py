@@ -273,3 +273,23 @@ def test_the_bound_is_a_documented_setting(monkeypatch):
     monkeypatch.setenv("TIERSHARD_COLLECTIVE_TIMEOUT", "soon")
     with pytest.raises(ts.TopologyError, match="TIERSHARD_COLLECTIVE_TIMEOUT='soon' is not a number"):
         ts.Topology((2, 4))
+
+
+def test_a_report_stands_until_its_rank_gets_over_it(monkeypatch):
+    """A peer that failed before this rank entered its collective, and still fails, is read (so that the dead rank
+    behind it is named); a failure it caught and went on from, or one of an earlier run, is not."""
+    from tiershard.comm import failure
+
+    entered = failure._BORN + 10                 # this rank entered its collective then
+    assert failure._stands({"time": entered + 1}, entered)                   # written after this rank entered
+    assert failure._stands({"time": entered - 1}, entered)                   # earlier, and still failing
+    assert not failure._stands({"time": entered - 1, "over": entered - 0.5}, entered)
+    assert failure._stands({"time": entered + 1, "over": entered + 2}, entered)   # over only after it was read
+    assert not failure._stands({"time": failure._BORN - 5}, entered)        # a previous run's rank
+    published = []
+    monkeypatch.setattr(failure, "_publish", lambda rank, mine: published.append((rank, mine)))
+    monkeypatch.setattr(failure, "_REPORTED", [(2, {"op": "param_gather", "time": entered - 1})])
+    failure._mark_over()                     # its next collective: the report is marked over, once
+    failure._mark_over()
+    assert len(published) == 1 and published[0][0] == 2 and published[0][1]["over"] >= entered
+    assert not failure._stands(published[0][1], entered + 1)

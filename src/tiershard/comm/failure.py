@@ -12,7 +12,10 @@ same order) and one clock read. When the collective raises a communication error
 ``CollectiveError``: this rank writes what it was in (group, sequence number, operation, unit, time) under its own
 key in the default c10d store, waits up to the report window for the other members' keys, and names as missing
 every member that reported a different collective (it skipped this one) or nothing (it died, or waits outside
-tiershard). A report written before this rank entered its collective is an older failure and does not count. A rank that waited only for
+tiershard). A report counts when it was written after this rank entered its collective, or, written earlier by
+this run's processes (torchrun's restarts keep the store's keys), it is not over: its rank has not gone on to
+another collective since (having caught the error). So a member that failed before this rank arrived, and still
+fails, is read too, while an older failure that its rank got over is not. A rank that waited only for
 members that failed themselves (a rank two hops from a dead one) then reads the world's reports of the same
 failure and names where it began: a rank the others name as missing that wrote no report. The store lives on
 the master (rank 0's host); when it does not answer, the error says the missing ranks could not be determined.
@@ -36,6 +39,8 @@ from .ledger import LEDGER
 if TYPE_CHECKING:
     from ..topology import TierGroup, Topology
 
+_BORN = time.time()                         # reports older than this process are an earlier run's
+_REPORTED: list[tuple[int, dict]] = []       # this rank's last report, until its next collective marks it over
 _LINGER: list[tuple] = []                    # rank 0 at exit: (until, ranks not reported, since) (see describe)
 _SEQ: dict[int, int] = {}                    # id(process group) -> engine collectives issued on it so far
 _LOCAL = threading.local()                   # .unit: the unit whose job this thread runs
@@ -111,6 +116,8 @@ class guard:
             key = id(self.group.pg)
             self.seq = _SEQ[key] = _SEQ.get(key, 0) + 1
             self.entered, self.counted = time.monotonic(), 0.0
+            if _REPORTED:
+                _mark_over()
         self.opened = time.monotonic()
         liveness.enter(self, first, self.unit_name())
         return self
@@ -138,14 +145,29 @@ class guard:
         raise describe(cause, self.op, unit, self.group, self.topology, self.seq, since) from err
 
 
+def _mark_over() -> None:
+    """This rank got over its last failure (it entered another collective): its report no longer stands."""
+    try:
+        rank, mine = _REPORTED.pop()
+    except IndexError:                # the other thread marked it
+        return
+    _publish(rank, {**mine, "over": time.time()})
+
+
+def _stands(report: dict, since: float) -> bool:
+    """Whether ``report`` is of the failure a rank that entered its collective at wall time ``since`` is in
+    ([Note: bounded collectives])."""
+    written = report.get("time", 0)
+    return written >= since or (written >= _BORN - CLOCK_SLACK and "over" not in report)
+
+
 def _linger() -> None:
     try:
         store = dist.distributed_c10d._get_default_store()
         for until, silent, since in _LINGER:
             while silent and time.monotonic() < until:
                 silent = [r for r in silent if not (store.check([f"tiershard/failed/{r}"]) and
-                                                   json.loads(store.get(f"tiershard/failed/{r}")).get("time", 0)
-                                                   >= since)]
+                                                   _stands(json.loads(store.get(f"tiershard/failed/{r}")), since))]
                 time.sleep(0.05)
             if not silent:
                 time.sleep(0.5)           # the last to report reads the others' reports
@@ -163,7 +185,8 @@ def _group_name(group: "TierGroup") -> str:
 
 def _exchange(rank: int, mine: dict, others: list[int], window: float,
               since: float) -> tuple[dict[int, dict], str | None]:
-    """Write this rank's report, read the others' written after wall time ``since`` for up to ``window`` s;
+    """Write this rank's report, read the others' that stand for a rank that entered at wall time ``since``, for up
+    to ``window`` s;
     (reports by rank, why not if the store failed).
 
     Runs on a daemon thread so that a store that stopped answering cannot hold the error back."""
@@ -186,7 +209,7 @@ def _exchange(rank: int, mine: dict, others: list[int], window: float,
                 for r, key in list(waiting.items()):
                     if store.check([key]):
                         report = json.loads(store.get(key))
-                        if report.get("time", 0) >= since:     # else an older failure of that rank
+                        if _stands(report, since):     # else an older failure of that rank
                             reports[r] = report
                             del waiting[r]
                 if not waiting or time.monotonic() >= deadline:
@@ -243,7 +266,7 @@ def _first_cause(rank: int, missing: tuple[int, ...], reports: dict[int, dict], 
             key = f"tiershard/failed/{r}"
             if r != rank and r not in fresh and store.check([key]):
                 report = json.loads(store.get(key))
-                if report.get("time", 0) >= since:
+                if _stands(report, since):
                     fresh[r] = report
         named: dict[int, list[int]] = {}
         for r, report in fresh.items():
@@ -270,6 +293,7 @@ def describe(err: BaseException, op: str, unit: str, group: "TierGroup", topolog
     window = topology.report_window
     others = [r for r in ranks if r != rank]
     reports, problem = _exchange(rank, mine, others, window, since - CLOCK_SLACK)
+    _REPORTED[:] = [(rank, mine)]
     if rank == 0 and problem is None:     # rank 0 usually hosts the store: at exit, stay up (at most a window)
         if not _LINGER:                   # until the members that have not reported yet could read every report
             atexit.register(_linger)
