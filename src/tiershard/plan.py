@@ -23,8 +23,10 @@ tier at an optimizer step; every ``H`` steps the islands average their parameter
 take an outer Nesterov SGD step on it (runtime/outer.py). Its options follow ``H``, joined by ``:``, any order,
 each at most once: ``fF`` streams the sync in ``F`` fragments of consecutive units, each at its own offset within
 the ``H`` steps (``1 <= F <= H``); ``lrX`` the outer learning rate (default 0.7), ``mX`` its Nesterov momentum
-(default 0.9, ``m0`` plain SGD); a codec (``int8`` or ``int4``, then ``:BLOCK``, ``:h``, ``:sr`` as in qgz) for the
-outer gradient, last. ``IIG+outer=100:f4:int4:128:h``. It is lossy: islands drift apart between syncs.
+(default 0.9, ``m0`` plain SGD); ``wN`` a warm-up of ``N`` step-synchronous steps first (the islands' gradients
+averaged every step, as without the option; the periods count from its end); a codec (``int8`` or ``int4``, then
+``:BLOCK``, ``:h``, ``:sr`` as in qgz) for the outer gradient, last. ``IIG+outer=100:f4:int4:128:h``. It is lossy:
+islands drift apart between syncs.
 """
 from __future__ import annotations
 
@@ -88,6 +90,7 @@ class OuterSpec:
     lr: float = OUTER_LR
     momentum: float = OUTER_MOMENTUM
     codec: str | None = None
+    warmup: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -100,13 +103,16 @@ class OuterSpec:
             raise PlanError(f"outer lr {self.lr} must be positive, e.g. outer={self.every}:lr0.7")
         if not 0 <= self.momentum < 1:
             raise PlanError(f"outer momentum {self.momentum} must be in [0, 1), e.g. outer={self.every}:m0.9")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise PlanError(f"outer={self.every}:w{self.warmup}: the warm-up is a whole number of steps, 0 or more, "
+                            f"e.g. outer={self.every}:w500")
         if self.codec is not None and not re.fullmatch(_HOP, self.codec):
             raise PlanError(f"unknown outer codec {self.codec!r}: int8 or int4, then an optional :BLOCK, :h and :sr "
                             f"as in qgz, e.g. outer={self.every}:int4:128:h")
 
     @classmethod
     def parse(cls, text: str) -> "OuterSpec":
-        """``H[:fF][:lrX][:mX][:CODEC]`` ([Note: outer sync])."""
+        """``H[:fF][:lrX][:mX][:wN][:CODEC]`` ([Note: outer sync])."""
         head, *tokens = text.split(":")
         if not head.isdigit():
             raise PlanError(f"outer={text!r}: give the period in steps first, e.g. outer=100 or outer=100:f4:int4")
@@ -115,23 +121,27 @@ class OuterSpec:
             if re.fullmatch(r"(?:int)?[48]", token):
                 fields["codec"] = ":".join(tokens[i:])
                 break
-            match = re.fullmatch(r"(f|lr|m)([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)", token)
+            match = re.fullmatch(r"(f|lr|m|w)([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)", token)
             if match is None:
                 raise PlanError(f"unknown outer option {token!r} in outer={text}: use fF (fragments), lrX, mX, "
-                                "then a codec such as int4:128:h, e.g. outer=100:f4:lr0.7:m0.9:int4")
-            key = {"f": "fragments", "lr": "lr", "m": "momentum"}[match.group(1)]
+                                "wN (warm-up steps), then a codec such as int4:128:h, "
+                                "e.g. outer=100:f4:lr0.7:m0.9:w500:int4")
+            key = {"f": "fragments", "lr": "lr", "m": "momentum", "w": "warmup"}[match.group(1)]
             if key in fields:
                 raise PlanError(f"outer option {match.group(1)} given twice in outer={text}")
-            fields[key] = int(match.group(2)) if key == "fragments" and match.group(2).isdigit() else \
+            fields[key] = int(match.group(2)) if key in ("fragments", "warmup") and match.group(2).isdigit() else \
                 float(match.group(2))
         if isinstance(fields.get("fragments"), float):
             raise PlanError(f"outer={text}: fragments must be a whole number, e.g. f4")
+        if isinstance(fields.get("warmup"), float):
+            raise PlanError(f"outer={text}: the warm-up must be a whole number of steps, e.g. w500")
         return cls(int(head), **fields)
 
     def __str__(self) -> str:
         parts = [str(self.every)] + ([f"f{self.fragments}"] if self.fragments != 1 else []) + \
             ([f"lr{self.lr:g}"] if self.lr != OUTER_LR else []) + \
-            ([f"m{self.momentum:g}"] if self.momentum != OUTER_MOMENTUM else []) + ([self.codec] if self.codec else [])
+            ([f"m{self.momentum:g}"] if self.momentum != OUTER_MOMENTUM else []) + \
+            ([f"w{self.warmup}"] if self.warmup else []) + ([self.codec] if self.codec else [])
         return ":".join(parts)
 
     def offset(self, fragment: int) -> int:
@@ -417,7 +427,8 @@ def _quality(qwz: str | None, qgz: str | None, bits: bool = True, qwd: str | Non
     parts = ([f"weights {_bits(qwz)}"] if qwz else []) + ([f"weights {_bits(qwd)} differences"] if qwd else []) + \
         ([f"gradients {'/'.join(_bits(s) for s in qgz.split('/')) if bits else qgz}"] if qgz else []) + \
         ([f"outer sync every {outer.every} steps" + (f" in {outer.fragments} fragments" if outer.fragments > 1 else "")
-          + (f", outer gradients {_bits(outer.codec)}" if outer.codec else "")] if outer else [])
+          + (f", outer gradients {_bits(outer.codec)}" if outer.codec else "")
+          + (f", after {outer.warmup} step-synchronous steps" if outer.warmup else "")] if outer else [])
     return "lossy: " + ", ".join(parts) if parts else "exact"
 
 

@@ -112,6 +112,15 @@ def outer_checks(rank, world, folder):
         assert model._tiershard.outer.steps == 5
         _train(model, opt, rank, world, 3, start=5)
         out[resumed_plan] = _gap(ts.full_state_dict(model), uninterrupted)
+    # 4. a warm-up of 2 step-synchronous steps: the plan without the option (AdamW), the islands one model
+    plain, plain_opt = _build("IIG", topo)
+    ref = []
+    _train(plain, plain_opt, rank, world, 2, after=lambda s, st: ref.append(st))
+    model, opt = _build("IIG+outer=2:w2:lr1:m0", topo)
+    warm = []
+    _train(model, opt, rank, world, 4, after=lambda s, st: warm.append(
+        (_islands_agree(model, st)[0], _gap(st, ref[s - 1]) if s <= 2 else None)))
+    out["warmup"] = warm
     # a checkpoint of islands does not load into a plan without outer sync
     model, opt = _build("IIG", topo)
     try:
@@ -146,6 +155,13 @@ def test_islands_meet_at_each_sync_and_only_the_sync_crosses_the_world(results, 
         assert stats["tiers"].get("world", 0) == stats["ops"]["outer_sync"], (stats, world_ops)
         # 8 steps: two full syncs (steps 3 and 6; streamed: fragment 0 at steps 3 and 7, fragment 1 at 4 and 8)
         assert stats["ops"]["outer_sync"] == 2 * predicted > 0
+
+
+def test_a_warmup_trains_as_the_plan_without_the_option_then_the_periods_begin(results):
+    for res in results:
+        (one, gap1), (two, gap2), (third, _), (fourth, _) = res["warmup"]
+        assert one and two and gap1 < 1e-5 and gap2 < 1e-5, res["warmup"]   # step-synchronous: one model
+        assert not third and fourth           # step 3 is the first local step; step 4 ends the first period
 
 
 def test_resume_inside_an_outer_period_is_exact(results):
@@ -193,6 +209,9 @@ def test_outer_gradient_codec_round_trip():
 def test_outer_plans_parse_and_refuse():
     import tiershard as ts
 
+    warm = ts.Plan.parse("IIG+outer=10:w500:lr1:m0")
+    assert warm.outer.warmup == 500 and str(warm) == "IIG+outer=10:lr1:m0:w500" and ts.Plan.parse(str(warm)) == warm
+    assert "after 500 step-synchronous steps" in warm.quality()
     plan = ts.Plan.parse("zero3+outer=100:f4:lr0.5:int4:128:h")
     assert str(plan) == "GGG+outer=100:f4:lr0.5:int4:128:h" and ts.Plan.parse(str(plan)) == plan
     assert (plan.outer.every, plan.outer.fragments, plan.outer.lr, plan.outer.momentum) == (100, 4, 0.5, 0.9)
@@ -201,7 +220,7 @@ def test_outer_plans_parse_and_refuse():
     assert (placement.p, placement.g, placement.os, placement.dp_level) == (1, 1, 1, 1)
     for bad, words in (("IIG+outer", "period"), ("IIG+outer=0", "positive"), ("IIG+outer=4:f5", "1 to the period"),
                        ("IIG+outer=4:x2", "unknown outer option"), ("IIG+outer=4:int3", "unknown outer option"),
-                       ("IIG+outer=4:m1", "momentum")):
+                       ("IIG+outer=4:m1", "momentum"), ("IIG+outer=4:w2.5", "warm-up")):
         with pytest.raises(ts.PlanError, match=words):
             ts.Plan.parse(bad)
     with pytest.raises(ts.PlanError, match="one tier"):

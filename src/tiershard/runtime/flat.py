@@ -282,6 +282,7 @@ class FlatGroup:
         self.p_shard = None if placement.p in (0, placement.os) or not trainable else \
             torch.empty(self.S // self.size(placement.p), dtype=param_dtype, device=device)
         self.grad_acc: torch.Tensor | None = None   # allocated by the first micro-step, handed over at the boundary
+        self.island_average = False     # an outer sync's warm-up averages the gradient over the islands too
         # the gradient each master held after the last micro-step ([Note: gradients between micro-steps])
         self._pending: list[torch.Tensor | None] = [None] * len(self.layouts)
         self.hpz: dict[int, tuple[int, torch.Tensor]] = {}   # level -> (weights version, band or its wire)
@@ -806,6 +807,10 @@ class FlatGroup:
                     out = torch.empty(self.S // self.size(pl.os), dtype=self.reduce_dtype, device=self.device)
                     self._all_gather(out, buf, pl.os, pl.g, "grad_sync")
             out = out.to(torch.float32)
+        if self.island_average:        # an outer sync's warm-up: the islands' mean ([Note: outer warm-up])
+            cross = self.group(top, top + 1)
+            C.all_reduce(out, cross, self.topo, "outer_warmup")
+            out.div_(cross.size)
         self._add_to_master_grads(self.stream.hand_over(out))
         self._pending = [None] * len(self.layouts)
 

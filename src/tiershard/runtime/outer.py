@@ -18,6 +18,12 @@ is started after step ``t`` and applied after step ``t + 1``, where the masters 
 the progress the island made during that one step (``correction = d - lr (d + mu m)`` is added, Streaming
 DiLoCo's overlap with the island's own step kept). With ``F = 1`` (plain DiLoCo) the sync completes in the step.
 
+[Note: outer warm-up] With ``wN`` the first ``N`` optimizer steps are step-synchronous: each trainable group
+averages its level-os gradient over the cross group at the boundary (``FlatGroup.island_average``, an fp32
+all-reduce, op ``outer_warmup``), so every island's optimizer sees the global gradient and the islands stay one
+model (equal bits: the same inputs to the same steps). After step ``N`` the anchors become the masters and the
+periods begin: the step count that places fragments is ``steps - N``. No outer step is taken during the warm-up.
+
 [Note: outer state in checkpoints] ``state_dict`` holds the anchors and momenta as DTensors with the masters'
 specs (replicated across islands, so they reshard with the masters), the step count, and, for a fragment in
 flight, each rank's correction (finished at the save: waiting changes no value). The corrections, like the
@@ -79,6 +85,7 @@ class OuterSync:
         self.corrections: dict[int, list[torch.Tensor]] | None = None  # per group id, once the mean has landed
         self._issued: dict[int, list[torch.Tensor]] = {}
         self._changed: set[int] = set()
+        self._warm()
 
     @property
     def streamed(self) -> bool:
@@ -89,16 +96,29 @@ class OuterSync:
     def after_step(self) -> set[int]:
         """Called after each optimizer step; returns the ids of the groups whose masters it changed."""
         self.steps += 1
+        local = self.steps - self.spec.warmup         # steps since the warm-up ended ([Note: outer warm-up])
+        if local <= 0:
+            if local == 0:
+                for g in self.groups:
+                    for i, anchor in enumerate(self.anchors[id(g)]):
+                        anchor.copy_(g.master_local(i))
+                self._warm()
+            return set()
         changed: set[int] = set()
         if self.inflight is not None or self.corrections is not None:
             changed |= self._land()
-        phase = self.steps % self.spec.every
+        phase = local % self.spec.every
         for f in range(len(self.fragments)):
             if self.spec.offset(f) == phase:
                 self._issue(f)
                 if not self.streamed:
                     changed |= self._land()
         return changed
+
+    def _warm(self) -> None:
+        """Average the groups' gradients over the islands while the warm-up lasts ([Note: outer warm-up])."""
+        for g in self.groups:
+            g.island_average = self.steps < self.spec.warmup
 
     def _issue(self, fragment: int) -> None:
         groups = self.fragments[fragment]
@@ -186,3 +206,4 @@ class OuterSync:
     def loaded(self, shared: dict) -> None:
         """After a load into ``state_dict``'s tensors: take the step count (a plain tensor is replaced, not filled)."""
         self.steps = int(shared["steps"])
+        self._warm()
